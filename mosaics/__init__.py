@@ -1,0 +1,24 @@
+"""mosaics: Memory Mosaics language models with pluggable attention kernels."""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .cache import MosaicsCache
+from .configuration_mosaics import MosaicsConfig
+from .kernels import available_kernels, get_kernel, register_kernel
+from .modeling_mosaics import MosaicsForCausalLM, MosaicsModel, MosaicsPreTrainedModel
+
+AutoConfig.register("mosaics", MosaicsConfig, exist_ok=True)
+AutoModel.register(MosaicsConfig, MosaicsModel, exist_ok=True)
+AutoModelForCausalLM.register(MosaicsConfig, MosaicsForCausalLM, exist_ok=True)
+
+__version__ = "0.1.0"
+__all__ = [
+    "MosaicsCache",
+    "MosaicsConfig",
+    "MosaicsForCausalLM",
+    "MosaicsModel",
+    "MosaicsPreTrainedModel",
+    "available_kernels",
+    "get_kernel",
+    "register_kernel",
+]

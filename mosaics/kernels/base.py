@@ -1,0 +1,136 @@
+"""The kernel interface and registry of the contextual memory.
+
+A kernel turns unit keys k_t (the query at t is k_t itself), values v_t and a per-head
+bandwidth beta into the strict-past retrieval
+
+    y_t = sum_{s < t} w_ts v_s,   w_t. = normalizer(beta * cos(k_t, k_s) for s < t),
+
+with y_0 = 0 (position 0 has no memory). It also supports incremental decoding through
+``init_state`` / ``extend``, whose state holds tensors with the batch as dimension 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+KernelState = dict[str, Tensor]
+
+_REGISTRY: dict[str, type[Kernel]] = {}
+
+
+class Kernel(nn.Module):
+    """Base class of contextual-memory kernels.
+
+    Subclasses implement :meth:`forward` (whole sequence, training) and :meth:`extend`
+    (incremental decoding). ``dropout`` is set by the memory block from the config.
+    """
+
+    name: str = ""
+    dropout: float = 0.0
+    regularization_weight: float = 0.0  # weight of regularization() in the training loss
+
+    def forward(self, keys: Tensor, values: Tensor, beta: Tensor) -> Tensor:
+        """Strict-past retrieval.
+
+        Args:
+            keys: (B, H, T, hs) unit keys (also the queries).
+            values: (B, H, T, hs) values.
+            beta: (H,) bandwidths.
+        Returns:
+            (B, H, T, hs); row t uses memory s < t only; row 0 is exactly 0.
+        """
+        raise NotImplementedError
+
+    def init_state(self, batch: int, heads: int, head_size: int, device: torch.device,
+                   dtype: torch.dtype) -> KernelState:
+        """Empty decoding state (no memory yet)."""
+        shape = (batch, heads, 0, head_size)
+        return {"keys": torch.zeros(shape, device=device, dtype=dtype),
+                "values": torch.zeros(shape, device=device, dtype=dtype)}
+
+    def prefill_state(self, state: KernelState, keys: Tensor, values: Tensor) -> KernelState:
+        """Add (B, H, m, hs) memory entries to ``state`` without answering any query."""
+        return append_memory(state, keys, values)
+
+    def extend(self, state: KernelState, queries: Tensor, keys: Tensor, values: Tensor,
+               beta: Tensor) -> tuple[Tensor, KernelState]:
+        """Add memory entries and answer queries (incremental decoding).
+
+        Args:
+            state: memory so far.
+            queries: (B, H, n, hs) unit query keys of the n new positions.
+            keys, values: (B, H, m, hs) new memory entries, m in {n - 1, n}; query i sees
+                every entry already in ``state`` and new entries j <= i + m - n.
+            beta: (H,) bandwidths.
+        Returns:
+            (B, H, n, hs) retrievals and the new state.
+        """
+        raise NotImplementedError
+
+    def regularization(self) -> Tensor | None:
+        """An extra training loss term of this kernel (e.g. FSKA's KL), or None."""
+        return None
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}"
+
+
+def extend_mask(n: int, old: int, m: int, device: torch.device) -> Tensor:
+    """(n, old + m) boolean mask of the memory entries each new query may see."""
+    qi = torch.arange(n, device=device).view(n, 1)
+    kj = torch.arange(m, device=device).view(1, m)
+    new = kj <= qi + (m - n)
+    return torch.cat([torch.ones(n, old, dtype=torch.bool, device=device), new], dim=1)
+
+
+def strict_causal_mask(t: int, device: torch.device) -> Tensor:
+    """(T, T) boolean mask, True where s < t."""
+    return torch.ones(t, t, dtype=torch.bool, device=device).tril(-1)
+
+
+def append_memory(state: KernelState, keys: Tensor, values: Tensor) -> KernelState:
+    """Quadratic kernels' state update: concatenate the new entries along time."""
+    return {"keys": torch.cat([state["keys"], keys], dim=2),
+            "values": torch.cat([state["values"], values], dim=2)}
+
+
+def register_kernel(name: str) -> Callable[[type[Kernel]], type[Kernel]]:
+    """Class decorator: make a :class:`Kernel` subclass selectable as ``kernel: name``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"kernel name must be a non-empty string, got {name!r}")
+
+    def wrap(cls: type[Kernel]) -> type[Kernel]:
+        if not (isinstance(cls, type) and issubclass(cls, Kernel)):
+            raise TypeError(f"@register_kernel({name!r}) needs a subclass of mosaics.kernels.Kernel")
+        existing = _REGISTRY.get(name)
+        if existing is not None and existing.__qualname__ != cls.__qualname__:
+            raise ValueError(f"kernel {name!r} is already registered by {existing.__module__}."
+                             f"{existing.__qualname__}; pick another name")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def available_kernels() -> list[str]:
+    """Sorted names of all registered kernels."""
+    return sorted(_REGISTRY)
+
+
+def get_kernel(name: str, **kwargs: Any) -> Kernel:
+    """Instantiate the kernel registered as ``name`` with its options."""
+    try:
+        cls = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown kernel {name!r}; registered kernels: "
+                         f"{', '.join(available_kernels())}. Register your own with "
+                         "@mosaics.kernels.register_kernel('name').") from None
+    try:
+        return cls(**kwargs)
+    except TypeError as err:
+        raise ValueError(f"bad kernel_kwargs for kernel {name!r}: {err}") from None

@@ -1,0 +1,268 @@
+"""Memory Mosaics language model as a Hugging Face ``PreTrainedModel``.
+
+Stack (no positional encoding: the leaky averages carry order)::
+
+    x = wte(ids)
+    for each block:  x += ContextualMemory(LN(x));  x += PersistentMemory(LN(x))
+    logits = (LN(x) @ wte^T) / sqrt(d)          # tied head, the reference's logit scale
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.utils import ModelOutput
+
+from .cache import MosaicsCache
+from .configuration_mosaics import MosaicsConfig
+from .memory import ContextualMemory, PersistentMemory
+from .remote_code import save_model_code
+
+
+@dataclass
+class MosaicsModelOutput(ModelOutput):
+    """Backbone output. ``aux_loss``: mean kernel regularizer over layers (e.g. FSKA's KL)."""
+
+    last_hidden_state: Tensor | None = None
+    cache: MosaicsCache | None = None
+    hidden_states: tuple[Tensor, ...] | None = None
+    aux_loss: Tensor | None = None
+
+
+@dataclass
+class MosaicsCausalLMOutput(ModelOutput):
+    """LM output. ``loss = lm_loss + regularization_weight * aux_loss`` when labels are given."""
+
+    loss: Tensor | None = None
+    logits: Tensor | None = None
+    cache: MosaicsCache | None = None
+    hidden_states: tuple[Tensor, ...] | None = None
+    lm_loss: Tensor | None = None
+    aux_loss: Tensor | None = None
+
+
+class MosaicsBlock(GradientCheckpointingLayer):
+    """Pre-LN block: contextual memory then persistent memory, each on the residual stream."""
+
+    def __init__(self, config: MosaicsConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=False)
+        self.cmem = ContextualMemory(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=False)
+        self.pmem = PersistentMemory(config)
+
+    def forward(self, x: Tensor, state: dict | None = None) -> tuple[Tensor, dict | None]:
+        y, cstate = self.cmem(self.ln_1(x), None if state is None else state["context"])
+        x = x + y
+        y, pstate = self.pmem(self.ln_2(x), None if state is None else state["persistent"])
+        x = x + y
+        return x, (None if state is None else {"context": cstate, "persistent": pstate})
+
+
+class MosaicsPreTrainedModel(PreTrainedModel):
+    config_class = MosaicsConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["MosaicsBlock"]
+    _supports_sdpa = True
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the model builds its own MosaicsCache
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Reference init: Linear N(0, 1/fan_in), c_proj N(0, 1/(fan_in n_layer)), Embedding N(0, 1)."""
+        if isinstance(module, nn.Linear):
+            fan_in = module.weight.shape[1]
+            nn.init.normal_(module.weight, mean=0.0, std=1.0 / math.sqrt(fan_in))
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=1.0)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, (ContextualMemory, PersistentMemory)):
+            module.reset_scalars()
+            fan_in = module.c_proj.weight.shape[1]
+            std = 1.0 / math.sqrt(fan_in * self.config.n_layer)
+            nn.init.normal_(module.c_proj.weight, mean=0.0, std=std)
+            if isinstance(module, PersistentMemory):
+                std = 1.0 / math.sqrt(module.mem_keys.shape[-1])
+                nn.init.normal_(module.mem_keys, mean=0.0, std=std)
+                nn.init.normal_(module.mem_values, mean=0.0, std=std)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):  # noqa: ANN001
+        """Save weights and config, plus this model's code for ``trust_remote_code=True``."""
+        self.config.auto_map = {
+            "AutoConfig": "configuration_mosaics.MosaicsConfig",
+            "AutoModel": "modeling_mosaics.MosaicsModel",
+            "AutoModelForCausalLM": "modeling_mosaics.MosaicsForCausalLM",
+        }
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            save_model_code(save_directory)
+        return out
+
+
+def _check_attention_mask(attention_mask: Tensor | None) -> None:
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] > 1:
+        if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+            raise ValueError(
+                "Memory Mosaics has no padding mask inside its leaky averages: left padding (or "
+                "holes) in attention_mask would change the result. Right-pad instead (and mask "
+                "the padded labels with -100), or generate prompts of different lengths separately."
+            )
+
+
+class MosaicsModel(MosaicsPreTrainedModel):
+    """The backbone: embeddings, blocks, final LayerNorm."""
+
+    def __init__(self, config: MosaicsConfig) -> None:
+        super().__init__(config)
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(MosaicsBlock(config, i) for i in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=False)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.wte
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.wte = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+        cache: MosaicsCache | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> MosaicsModelOutput | tuple:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        _check_attention_mask(attention_mask)
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        if use_cache and cache is None:
+            cache = MosaicsCache(self.config.n_layer)
+        if not use_cache:
+            cache = None
+        output_hidden_states = (output_hidden_states if output_hidden_states is not None
+                                else self.config.output_hidden_states)
+        x = self.wte(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden = []
+        for i, block in enumerate(self.blocks):
+            if output_hidden_states:
+                hidden.append(x)
+            x, state = block(x, None if cache is None else cache.layers[i])
+            if cache is not None:
+                cache.layers[i] = state
+        x = self.ln_f(x)
+        if output_hidden_states:
+            hidden.append(x)
+        if cache is not None:
+            cache.seen_tokens += x.shape[1]
+        regs = [r for b in self.blocks if (r := b.cmem.kernel.regularization()) is not None]
+        aux = torch.stack(regs).mean() if regs else None
+        out = MosaicsModelOutput(last_hidden_state=x, cache=cache,
+                                 hidden_states=tuple(hidden) if output_hidden_states else None,
+                                 aux_loss=aux)
+        return out if (return_dict if return_dict is not None else self.config.return_dict) \
+            else out.to_tuple()
+
+
+class MosaicsForCausalLM(MosaicsPreTrainedModel, GenerationMixin):
+    """Memory Mosaics with a tied language-modelling head."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.wte.weight"}
+
+    def __init__(self, config: MosaicsConfig) -> None:
+        super().__init__(config)
+        self.model = MosaicsModel(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.logit_scale = 1.0 / math.sqrt(config.n_embd)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.wte
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.wte = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    @property
+    def regularization_weight(self) -> float:
+        return float(self.model.blocks[0].cmem.kernel.regularization_weight)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+        cache: MosaicsCache | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int = 0,
+        num_items_in_batch: int | Tensor | None = None,
+        **kwargs,
+    ) -> MosaicsCausalLMOutput | tuple:
+        """Causal LM forward. ``labels`` are the input ids (shifted inside); -100 is ignored."""
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         inputs_embeds=inputs_embeds, cache=cache, use_cache=use_cache,
+                         output_hidden_states=output_hidden_states, return_dict=True)
+        h = out.last_hidden_state
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        logits = self.lm_head(h) * self.logit_scale
+        loss = lm_loss = None
+        if labels is not None:
+            shift_logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+            shift_labels = labels[:, 1:].reshape(-1).to(logits.device)
+            if num_items_in_batch is not None:
+                lm_loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100,
+                                          reduction="sum") / num_items_in_batch
+            else:
+                lm_loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100)
+            loss = lm_loss
+            if out.aux_loss is not None:
+                loss = lm_loss + self.regularization_weight * out.aux_loss
+        result = MosaicsCausalLMOutput(loss=loss, logits=logits, cache=out.cache,
+                                       hidden_states=out.hidden_states, lm_loss=lm_loss,
+                                       aux_loss=out.aux_loss)
+        return result if (return_dict if return_dict is not None else self.config.return_dict) \
+            else result.to_tuple()
+
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor,
+                                      cache: MosaicsCache | None = None,
+                                      attention_mask: Tensor | None = None,
+                                      inputs_embeds: Tensor | None = None,
+                                      use_cache: bool | None = None, **kwargs) -> dict:
+        """Feed only the tokens the cache has not absorbed yet."""
+        inputs: dict = {"cache": cache, "use_cache": use_cache, "attention_mask": attention_mask}
+        seen = cache.get_seq_length() if cache is not None else 0
+        if inputs_embeds is not None and seen == 0:
+            inputs["inputs_embeds"] = inputs_embeds
+        else:
+            inputs["input_ids"] = input_ids[:, seen:].contiguous()
+        if "logits_to_keep" in kwargs:
+            inputs["logits_to_keep"] = kwargs["logits_to_keep"]
+        return inputs
