@@ -28,7 +28,8 @@ class MosaicsCache:
     is_compileable = False
 
     def __init__(self, n_layer: int) -> None:
-        self.layers: list[dict[str, Any]] = [{"context": {}, "persistent": {}} for _ in range(n_layer)]
+        self.layers: list[dict[str, Any]] = [{"context": {}, "persistent": {}}
+                                             for _ in range(n_layer)]
         self.seen_tokens = 0
 
     def __len__(self) -> int:

@@ -96,8 +96,8 @@ class MosaicsConfig(PretrainedConfig):
                 raise ValueError(f"MosaicsConfig.{name} must be a positive integer, got {value!r}.")
         if self.n_embd % self.n_head != 0:
             raise ValueError(
-                f"MosaicsConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
-                f"choose e.g. n_head={_nearest_divisor(self.n_embd, self.n_head)}."
+                f"MosaicsConfig.n_embd ({self.n_embd}) must be divisible by n_head "
+                f"({self.n_head}); choose e.g. n_head={_nearest_divisor(self.n_embd, self.n_head)}."
             )
         for name in ("dropout", "attn_dropout"):
             value = getattr(self, name)

@@ -3,7 +3,7 @@
 ContextualMemory (replaces self-attention), per head h, with x_t the LayerNorm'd input:
 
     kbar_t = W_k x_t + lambda_h kbar_{t-1},  lambda_h = exp(-10 |p_h|),   k_t = kbar_t / |kbar_t|
-    vbar_t = (1 - c_h) W_v x_{t+1} + c_h W_v x_t,                           v_t = e^{10 q_h} vbar_t / |vbar_t|
+    vbar_t = (1 - c_h) W_v x_{t+1} + c_h W_v x_t,    v_t = e^{10 q_h} vbar_t / |vbar_t|
     y_t    = kernel({(k_s, v_s) : s < t}, query k_t, bandwidth beta_h = exp(2 min(10 b_h, 5)))
 
 The memory at t holds s <= t - 1 only: v_{t-1} already contains x_t, so s = t would leak
@@ -89,7 +89,7 @@ class ContextualMemory(nn.Module):
         return split_heads(k, self.n_head), split_heads(v, self.n_head)
 
     def finish_values(self, v_raw: Tensor) -> Tensor:
-        """Values v_s for the pairs (v~_s, v~_{s+1}) along time: (B, H, n+1, hs) -> (B, H, n, hs)."""
+        """v_s from consecutive raw values (v~_s, v~_{s+1}): (B, H, n+1, hs) -> (B, H, n, hs)."""
         c = self.lookahead_c.view(1, -1, 1, 1).to(v_raw.dtype)
         vbar = (1.0 - c) * v_raw[:, :, 1:] + c * v_raw[:, :, :-1]
         scale = torch.exp(self.value_q * EXP_SCALE).view(1, -1, 1, 1).to(v_raw.dtype)

@@ -78,7 +78,7 @@ class MosaicsPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """Reference init: Linear N(0, 1/fan_in), c_proj N(0, 1/(fan_in n_layer)), Embedding N(0, 1)."""
+        """Reference init: Linear N(0, 1/fan_in), c_proj N(0, 1/(fan_in n_layer)), wte N(0, 1)."""
         if isinstance(module, nn.Linear):
             fan_in = module.weight.shape[1]
             nn.init.normal_(module.weight, mean=0.0, std=1.0 / math.sqrt(fan_in))
@@ -112,13 +112,14 @@ class MosaicsPreTrainedModel(PreTrainedModel):
 
 
 def _check_attention_mask(attention_mask: Tensor | None) -> None:
-    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] > 1:
-        if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
-            raise ValueError(
-                "Memory Mosaics has no padding mask inside its leaky averages: left padding (or "
-                "holes) in attention_mask would change the result. Right-pad instead (and mask "
-                "the padded labels with -100), or generate prompts of different lengths separately."
-            )
+    if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape[1] < 2:
+        return
+    if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+        raise ValueError(
+            "Memory Mosaics has no padding mask inside its leaky averages: left padding (or "
+            "holes) in attention_mask would change the result. Right-pad instead (and mask "
+            "the padded labels with -100), or generate prompts of different lengths separately."
+        )
 
 
 class MosaicsModel(MosaicsPreTrainedModel):

@@ -28,9 +28,7 @@ def _flat_name(rel: Path) -> str:
 def _rewrite(source: str, subpackage: str | None) -> str:
     def sub_from(match: re.Match) -> str:
         dots, target = match.group(2), match.group(3)
-        if subpackage is None:  # top-level module: .kernels.x -> .kernels_x
-            flat = target.replace(".", "_")
-        elif dots == "..":  # ..memory from inside kernels/ -> .memory
+        if subpackage is None or dots == "..":  # top-level module: .kernels.x -> .kernels_x
             flat = target.replace(".", "_")
         else:  # .base inside kernels/ -> .kernels_base
             flat = f"{subpackage}_{target.replace('.', '_')}"

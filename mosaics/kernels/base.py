@@ -105,7 +105,8 @@ def register_kernel(name: str) -> Callable[[type[Kernel]], type[Kernel]]:
 
     def wrap(cls: type[Kernel]) -> type[Kernel]:
         if not (isinstance(cls, type) and issubclass(cls, Kernel)):
-            raise TypeError(f"@register_kernel({name!r}) needs a subclass of mosaics.kernels.Kernel")
+            raise TypeError(f"@register_kernel({name!r}) needs a subclass of "
+                            "mosaics.kernels.Kernel")
         existing = _REGISTRY.get(name)
         if existing is not None and existing.__qualname__ != cls.__qualname__:
             raise ValueError(f"kernel {name!r} is already registered by {existing.__module__}."
