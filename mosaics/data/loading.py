@@ -1,0 +1,294 @@
+"""Load a text corpus from a file, a folder, a saved dataset or the Hugging Face hub.
+
+``load_texts`` returns a ``datasets.Dataset`` with one column, ``text`` (memory-mapped Arrow,
+cached under ``cache_dir``). Accepted sources, detected in this order:
+
+- a directory holding ``traindataset.txt`` / ``valdataset.txt`` (BabiStories layout);
+  ``split`` picks the file ("validation"/"val"/"valid"/"test" -> ``valdataset.txt``);
+- a directory written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``;
+- any other directory: ``datasets.load_dataset(directory)`` (parquet/csv/json/text files);
+- a ``.jsonl`` / ``.json`` file: one JSON object per line holding ``text_column``;
+- a ``.txt`` file whose first non-empty line is a JSON string: BabiStories format, one
+  JSON-encoded story per line;
+- any other ``.txt`` file: plain text, one document per paragraph (documents are separated by
+  one or more blank lines; the lines inside a paragraph are kept, joined by newlines);
+- otherwise a hub id ("owner/name" or "name", optionally "name:config"), through
+  ``datasets.load_dataset``. Offline (``HF_HUB_OFFLINE=1``) it only uses the local HF cache;
+  when the dataset is not there, or the hub is unreachable, it fails at once with a message
+  saying how to get the data onto the machine.
+
+A single-file source has only a "train" split; asking it for another split raises
+``MissingSplitError`` (``prepare_corpus`` then carves a validation split out of train).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+import datasets
+
+__all__ = ["MalformedInputError", "MissingSplitError", "load_texts", "split_file_name"]
+
+log = logging.getLogger(__name__)
+
+BABI_TRAIN, BABI_VAL = "traindataset.txt", "valdataset.txt"
+_VAL_SPLITS = {"validation", "val", "valid", "dev", "test"}
+
+
+class MalformedInputError(ValueError):
+    """A line of an input file cannot be read; the message names the file and line."""
+
+
+class MissingSplitError(ValueError):
+    """The source has no such split."""
+
+
+def split_file_name(split: str) -> str:
+    """BabiStories file name for a split: "train" -> traindataset.txt, "validation" -> val..."""
+    s = split.lower()
+    if s == "train":
+        return BABI_TRAIN
+    if s in _VAL_SPLITS:
+        return BABI_VAL
+    raise MissingSplitError(f"unknown split {split!r}: use 'train' or 'validation'")
+
+
+def _file_key(path: Path, *extra: object) -> str:
+    """Fingerprint of a local file: path, size and mtime plus the reading options."""
+    st = path.stat()
+    raw = json.dumps([str(path.resolve()), st.st_size, st.st_mtime_ns, *map(str, extra)])
+    return hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
+def _malformed(path: str, lineno: int, what: str, skip: bool) -> None:
+    if not skip:
+        raise MalformedInputError(
+            f"{path}:{lineno}: {what}. Fix the line or pass skip_malformed=True "
+            "(--skip-malformed) to skip such lines."
+        )
+
+
+def _gen_babistories(path: str, skip_malformed: bool) -> Iterator[dict]:
+    skipped = 0
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)
+            except json.JSONDecodeError as e:
+                text, err = None, f"not valid JSON ({e.msg})"
+            else:
+                err = f"expected a JSON string, got {type(text).__name__}"
+            if not isinstance(text, str):
+                _malformed(path, lineno, f"BabiStories line is {err}", skip_malformed)
+                skipped += 1
+                continue
+            yield {"text": text}
+    if skipped:
+        log.warning("%s: skipped %d malformed line(s)", path, skipped)
+
+
+def _gen_jsonl(path: str, text_column: str, skip_malformed: bool) -> Iterator[dict]:
+    skipped = 0
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                _malformed(path, lineno, f"not valid JSON ({e.msg})", skip_malformed)
+                skipped += 1
+                continue
+            if not isinstance(obj, dict) or not isinstance(obj.get(text_column), str):
+                what = (
+                    f"expected a JSON object with a string field {text_column!r}"
+                    f" (got {type(obj).__name__}"
+                    + (f" with keys {sorted(obj)[:8]}" if isinstance(obj, dict) else "")
+                    + "); choose the field with text_column=/--text-column"
+                )
+                _malformed(path, lineno, what, skip_malformed)
+                skipped += 1
+                continue
+            yield {"text": obj[text_column]}
+    if skipped:
+        log.warning("%s: skipped %d malformed line(s)", path, skipped)
+
+
+def _gen_paragraphs(path: str) -> Iterator[dict]:
+    para: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.rstrip("\n").rstrip("\r")
+            if line.strip():
+                para.append(line)
+            elif para:
+                yield {"text": "\n".join(para)}
+                para = []
+    if para:
+        yield {"text": "\n".join(para)}
+
+
+def _is_babistories(path: Path) -> bool:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    return isinstance(json.loads(line), str)
+                except json.JSONDecodeError:
+                    return line.lstrip().startswith('"')
+    return True  # an empty file is an empty BabiStories file
+
+
+def _from_generator(gen, gen_kwargs: dict, key: str, cache_dir: str | None) -> datasets.Dataset:
+    features = datasets.Features({"text": datasets.Value("string")})
+    try:
+        return datasets.Dataset.from_generator(
+            gen, features=features, gen_kwargs=gen_kwargs, cache_dir=cache_dir, fingerprint=key
+        )
+    except datasets.exceptions.DatasetGenerationError as e:
+        cause = e.__cause__
+        while cause is not None and not isinstance(cause, MalformedInputError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:
+            raise MalformedInputError(str(cause)) from None
+        raise
+
+
+def _load_file(
+    path: Path, split: str, text_column: str, skip_malformed: bool, cache_dir: str | None
+) -> datasets.Dataset:
+    if split.lower() != "train":
+        raise MissingSplitError(f"{path} is a single file: it only has a 'train' split")
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        key = _file_key(path, "jsonl", text_column, skip_malformed)
+        return _from_generator(
+            _gen_jsonl,
+            {"path": str(path), "text_column": text_column, "skip_malformed": skip_malformed},
+            key,
+            cache_dir,
+        )
+    if _is_babistories(path):
+        key = _file_key(path, "babistories", skip_malformed)
+        return _from_generator(
+            _gen_babistories, {"path": str(path), "skip_malformed": skip_malformed}, key, cache_dir
+        )
+    key = _file_key(path, "paragraphs")
+    return _from_generator(_gen_paragraphs, {"path": str(path)}, key, cache_dir)
+
+
+def _select_text(ds: datasets.Dataset, text_column: str, where: str) -> datasets.Dataset:
+    if text_column not in ds.column_names:
+        raise ValueError(
+            f"{where} has no column {text_column!r} (columns: {ds.column_names}); "
+            "choose one with text_column=/--text-column"
+        )
+    ds = ds.select_columns([text_column])
+    if text_column != "text":
+        ds = ds.rename_column(text_column, "text")
+    return ds
+
+
+def _pick_split(dd: datasets.DatasetDict, split: str, where: str) -> datasets.Dataset:
+    order = ["validation", "valid", "val", "dev", "test"]
+    names = [split] + ([n for n in order if n != split] if split in _VAL_SPLITS else [])
+    for name in names:
+        if name in dd:
+            return dd[name]
+    raise MissingSplitError(f"{where} has no split {split!r} (splits: {list(dd)})")
+
+
+def _hub_reachable(timeout: float = 2.0) -> bool:
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urlparse(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _offline() -> bool:
+    flags = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    return any(os.environ.get(f, "").upper() in ("1", "ON", "YES", "TRUE") for f in flags)
+
+
+def _hub_help(source: str, reason: str) -> str:
+    return (
+        f"cannot load {source!r} from the Hugging Face hub: {reason}. It is not a local path "
+        "either. To use it offline: on a machine with network run "
+        f"`python -c \"import datasets; datasets.load_dataset('{source}').save_to_disk('DIR')\"`, "
+        "copy DIR here and pass DIR as the source (or pre-fill the HF cache and set "
+        "HF_HUB_OFFLINE=1). For BabiStories see data/README.md; with no source at all the "
+        "built-in procedural story corpus is used."
+    )
+
+
+def _load_hub(source: str, split: str, text_column: str, cache_dir: str | None) -> datasets.Dataset:
+    name, _, config = source.partition(":")
+    offline = _offline()
+    if not offline and not _hub_reachable():
+        raise ConnectionError(_hub_help(source, "the hub is unreachable"))
+    try:
+        dd = datasets.load_dataset(name, config or None, cache_dir=cache_dir)
+    except Exception as e:  # offline cache miss, unknown id, auth...
+        reason = "offline mode (HF_HUB_OFFLINE=1) and not in the local cache" if offline else str(e)
+        raise ConnectionError(_hub_help(source, reason)) from e
+    return _select_text(_pick_split(dd, split, source), text_column, source)
+
+
+def load_texts(
+    source: str,
+    split: str = "train",
+    text_column: str = "text",
+    skip_malformed: bool = False,
+    cache_dir: str | None = None,
+) -> datasets.Dataset:
+    """Load ``split`` of ``source`` as a Dataset with a single string column ``text``.
+
+    See the module docstring for the accepted sources. Malformed lines raise
+    ``MalformedInputError`` naming ``file:line``; with ``skip_malformed=True`` they are skipped
+    and their count is logged (warning level) when the file is first read.
+    """
+    path = Path(os.path.expanduser(str(source)))
+    if cache_dir is not None:
+        cache_dir = str(Path(cache_dir).expanduser())
+    if path.is_dir():
+        babi = path / BABI_TRAIN
+        if babi.is_file() or (path / BABI_VAL).is_file():
+            f = path / split_file_name(split)
+            if not f.is_file():
+                raise MissingSplitError(f"{path} has no {f.name} for split {split!r}")
+            key = _file_key(f, "babistories", skip_malformed)
+            return _from_generator(
+                _gen_babistories, {"path": str(f), "skip_malformed": skip_malformed}, key, cache_dir
+            )
+        if (path / "dataset_dict.json").is_file():
+            dd = datasets.load_from_disk(str(path))
+            return _select_text(_pick_split(dd, split, str(path)), text_column, str(path))
+        if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
+            if split.lower() != "train":
+                raise MissingSplitError(f"{path} is a single saved split: it only has 'train'")
+            return _select_text(datasets.load_from_disk(str(path)), text_column, str(path))
+        dd = datasets.load_dataset(str(path), cache_dir=cache_dir)
+        return _select_text(_pick_split(dd, split, str(path)), text_column, str(path))
+    if path.is_file():
+        return _load_file(path, split, text_column, skip_malformed, cache_dir)
+    looks_local = str(source).startswith((".", "/", "~")) or Path(str(source)).suffix in (
+        ".txt",
+        ".jsonl",
+        ".json",
+    )
+    if looks_local or str(source).count("/") > 1:
+        raise FileNotFoundError(f"{source}: no such file or directory")
+    return _load_hub(str(source), split, text_column, cache_dir)

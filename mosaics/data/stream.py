@@ -1,0 +1,248 @@
+"""Token streams and the windows sampled from them.
+
+``tokenize_to_stream`` turns a text Dataset into one 1-D token array, every document followed
+by the eos (end-of-text) token, cached as ``.npy`` keyed by the dataset fingerprint and the
+tokenizer. ``RandomWindowDataset`` draws training windows of ``block_size`` tokens at uniformly
+random offsets (the reference recipe); batch ``step`` is a pure function of (seed, step, rank),
+so resuming is exact. ``fixed_validation_windows`` gives a reproducible validation set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = [
+    "RandomWindowDataset",
+    "fixed_validation_windows",
+    "stream_dtype",
+    "tokenize_to_stream",
+    "tokenizer_fingerprint",
+]
+
+log = logging.getLogger(__name__)
+
+
+def stream_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits (vocab_size <= 65535), else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of a tokenizer's full definition (its tokenizer.json) and its eos id."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        raw = backend.to_str()
+    else:  # slow tokenizer: its vocabulary in id order
+        vocab = tokenizer.get_vocab()
+        raw = "\n".join(sorted(vocab, key=vocab.get))
+    raw += f"\neos={tokenizer.eos_token_id}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
+def _encode_batch(batch: dict, tokenizer, eos: int) -> dict:
+    ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+    return {"ids": [x + [eos] for x in ids], "n": [len(x) + 1 for x in ids]}
+
+
+def _save_npy_atomic(path: Path, arr: np.ndarray) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, arr, allow_pickle=False)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def tokenize_to_stream(
+    dataset, tokenizer, num_proc: int = 1, cache_dir: str | os.PathLike | None = None
+) -> np.ndarray:
+    """Tokenize every document of ``dataset["text"]`` and concatenate: [doc0, eos, doc1, eos...].
+
+    Args:
+        dataset: a ``datasets.Dataset`` with a string column ``text``.
+        tokenizer: a Hugging Face tokenizer with ``eos_token_id``.
+        num_proc: worker processes for ``dataset.map``.
+        cache_dir: where ``tokens-<key>.npy`` is kept, key = hash(dataset fingerprint,
+            tokenizer fingerprint). ``None`` disables this cache.
+    Returns:
+        (N,) uint16 array (uint32 when the vocabulary exceeds 65535 ids).
+    """
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no eos_token_id; set tokenizer.eos_token first")
+    dtype = stream_dtype(len(tokenizer))
+    key = hashlib.sha256(
+        f"{dataset._fingerprint}|{tokenizer_fingerprint(tokenizer)}|{dtype.str}".encode()
+    ).hexdigest()[:32]
+    cached = Path(cache_dir).expanduser() / f"tokens-{key}.npy" if cache_dir else None
+    if cached is not None and cached.is_file():
+        return np.load(cached, mmap_mode="r", allow_pickle=False)
+    if len(dataset) == 0:
+        arr = np.zeros(0, dtype=dtype)
+    else:
+        mapped = dataset.select_columns(["text"]).map(
+            _encode_batch,
+            fn_kwargs={"tokenizer": tokenizer, "eos": eos},
+            batched=True,
+            batch_size=1000,
+            num_proc=num_proc if num_proc and num_proc > 1 else None,
+            remove_columns=["text"],
+            new_fingerprint=key,
+            desc="tokenizing",
+        )
+        column = mapped.data.column("ids")
+        parts = [chunk.flatten().to_numpy(zero_copy_only=False) for chunk in column.chunks]
+        flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        if flat.size and int(flat.max()) > np.iinfo(dtype).max:
+            raise ValueError(f"token id {int(flat.max())} does not fit {dtype}")
+        arr = flat.astype(dtype, copy=False)
+    if cached is not None:
+        _save_npy_atomic(cached, arr)
+    return arr
+
+
+def _generator(seed: int, step: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64([seed, step]))
+
+
+class RandomWindowDataset(torch.utils.data.IterableDataset):
+    """Windows of ``block_size`` tokens at uniformly random offsets of a token stream.
+
+    Batch ``step`` is a pure function of (seed, step): offsets for the *global* batch of
+    ``batch_size * world_size`` windows are drawn from ``PCG64([seed, step])`` and rank ``r``
+    takes rows ``[r * batch_size, (r + 1) * batch_size)``. So ranks get different windows, the
+    global batch does not depend on how it is split over ranks, and resuming at any step is
+    exact. Labels equal ``input_ids`` (the model shifts them).
+
+    Use either
+      - ``batch(step)`` -> {"input_ids": (B, T) int64, "labels": (B, T) int64}, or
+      - iteration: yields single examples {"input_ids": (T,), "labels": (T,)} continuing from
+        ``state_dict()["step"]``; wrap in ``DataLoader(ds, batch_size=batch_size)``. With
+        ``num_workers=W`` worker w produces steps w, w + W, ... and the loader's round robin
+        restores the order. Call ``advance()``/``set_step()`` from the training loop (or rely
+        on ``state_dict`` of the main-process copy when ``num_workers=0``).
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        block_size: int,
+        batch_size: int = 1,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        start_step: int = 0,
+    ):
+        super().__init__()
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+        if len(tokens) < block_size:
+            raise ValueError(
+                f"the token stream ({len(tokens)} tokens) is shorter than block_size "
+                f"({block_size}); use a bigger corpus or a smaller block_size"
+            )
+        if not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world={world_size}")
+        if block_size < 1 or batch_size < 1:
+            raise ValueError("block_size and batch_size must be >= 1")
+        self.tokens = tokens
+        self.block_size = block_size
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.step = start_step
+        self._within = 0  # examples of batch `step` already yielded (iteration, num_workers=0)
+
+    @property
+    def num_offsets(self) -> int:
+        """Number of distinct window starts: len(tokens) - block_size + 1."""
+        return len(self.tokens) - self.block_size + 1
+
+    def offsets(self, step: int) -> np.ndarray:
+        """(batch_size,) start offsets of this rank's windows at ``step``."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        g = _generator(self.seed, step)
+        all_offsets = g.integers(0, self.num_offsets, size=self.batch_size * self.world_size)
+        return all_offsets[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        """This rank's batch at ``step``: input_ids and labels, (batch_size, block_size) int64."""
+        idx = self.offsets(step)[:, None] + np.arange(self.block_size)[None, :]
+        x = torch.from_numpy(np.asarray(self.tokens[idx], dtype=np.int64))
+        return {"input_ids": x, "labels": x.clone()}
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        workers, wid = (1, 0) if info is None else (info.num_workers, info.id)
+        step = self.step + wid
+        within = self._within if wid == 0 else 0
+        while True:
+            b = self.batch(step)
+            for j in range(within, self.batch_size):
+                if info is None:
+                    self.step, self._within = step, j + 1
+                    if self._within == self.batch_size:
+                        self.step, self._within = step + 1, 0
+                yield {"input_ids": b["input_ids"][j], "labels": b["labels"][j]}
+            within = 0
+            step += workers
+
+    def set_step(self, step: int) -> None:
+        """Make the next iteration start at batch ``step``."""
+        self.step, self._within = step, 0
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "within": self._within,
+            "seed": self.seed,
+            "block_size": self.block_size,
+            "batch_size": self.batch_size,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "num_tokens": len(self.tokens),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the position; refuses a state from a different stream or sampler setup."""
+        for k in ("seed", "block_size", "batch_size", "world_size", "num_tokens"):
+            mine = len(self.tokens) if k == "num_tokens" else getattr(self, k)
+            if k in state and state[k] != mine:
+                raise ValueError(
+                    f"sampler state has {k}={state[k]} but this sampler has {k}={mine}; "
+                    "resume with the same data and batch settings"
+                )
+        self.step, self._within = int(state["step"]), int(state.get("within", 0))
+
+
+def fixed_validation_windows(
+    tokens: np.ndarray, block_size: int, max_windows: int, seed: int = 0
+) -> torch.Tensor:
+    """Contiguous non-overlapping windows [i*T, (i+1)*T) of the stream, (N, T) int64.
+
+    N = min(len(tokens) // T, max_windows); when there are more windows than ``max_windows``,
+    a subset chosen with ``PCG64(seed)`` is kept, in stream order.
+    """
+    n = len(tokens) // block_size
+    if n == 0:
+        raise ValueError(
+            f"the validation stream ({len(tokens)} tokens) is shorter than one window of "
+            f"{block_size}; use more validation data or a smaller block_size"
+        )
+    idx = np.arange(n)
+    if max_windows is not None and n > max_windows:
+        idx = np.sort(np.random.Generator(np.random.PCG64(seed)).choice(n, max_windows, False))
+    rows = idx[:, None] * block_size + np.arange(block_size)[None, :]
+    return torch.from_numpy(np.asarray(tokens[rows], dtype=np.int64))

@@ -1,0 +1,78 @@
+"""Byte-level BPE tokenizers: train one on the corpus, or load a saved one.
+
+The trained tokenizer follows GPT-2's conventions: byte-level pre-tokenisation (no unknown
+characters, no prefix space), one special token ``<|endoftext|>`` (id 0) that is the eos, bos,
+unk *and* pad token. Documents are separated by eos in the token stream; padding, where a
+caller needs it, must be masked with an attention mask (pad == eos).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+__all__ = ["EOT", "load_tokenizer", "train_bpe_tokenizer"]
+
+EOT = "<|endoftext|>"
+
+
+def train_bpe_tokenizer(
+    texts: Iterable[str], vocab_size: int = 4096, save_dir: str | os.PathLike | None = None
+):
+    """Train a byte-level BPE with ``vocab_size`` entries (256 bytes + merges + ``EOT``).
+
+    Returns a ``transformers.PreTrainedTokenizerFast`` (eos = bos = unk = pad = ``EOT``), saved
+    to ``save_dir`` (tokenizer.json + tokenizer_config.json) when given.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 257 or vocab_size > 2**32:
+        raise ValueError(f"vocab_size must be in [257, 2**32] (256 bytes + EOT), got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOT, bos_token=EOT, unk_token=EOT, pad_token=EOT
+    )
+    if save_dir is not None:
+        fast.save_pretrained(str(Path(save_dir).expanduser()))
+    return fast
+
+
+def load_tokenizer(name_or_path: str | os.PathLike):
+    """Load a tokenizer with ``AutoTokenizer`` from a local folder or the local HF cache.
+
+    Never touches the network (``local_files_only=True``). A tokenizer without an eos token
+    gets none added: callers need ``tokenizer.eos_token_id`` and fail clearly when it is None.
+    """
+    from transformers import AutoTokenizer
+
+    name = str(name_or_path)
+    path = Path(name).expanduser()
+    try:
+        tok = AutoTokenizer.from_pretrained(
+            str(path) if path.exists() else name, local_files_only=True
+        )
+    except (OSError, ValueError) as e:
+        raise OSError(
+            f"cannot load tokenizer {name!r} locally: {e}. Pass a folder holding tokenizer.json "
+            "(e.g. a saved model or one written by train_bpe_tokenizer), or a hub id already in "
+            "the local HF cache; leave it unset to train a byte-level BPE on the corpus."
+        ) from e
+    if tok.eos_token_id is None:
+        raise ValueError(
+            f"tokenizer {name!r} has no eos token; documents are separated by eos in the token "
+            "stream, so set one (tokenizer.eos_token = ...) and save it again."
+        )
+    return tok
