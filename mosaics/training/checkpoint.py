@@ -1,0 +1,188 @@
+"""Atomic training checkpoints and exact resume.
+
+Layout of ``<run_dir>/checkpoints/step_XXXXXXX/``::
+
+    model.safetensors        weights (safetensors: nothing is unpickled on load)
+    optimizer.pt, scheduler.pt
+                             state dicts of tensors and numbers, read with weights_only=True
+    rank_<r>.pt              RNG states of process r (torch, CUDA, numpy, python)
+    rank_<r>.json            data-sampler state of process r
+    trainer_state.json       step, tokens seen, world size, config
+    COMPLETE                 written last
+
+A checkpoint is written into ``.tmp-step_XXXXXXX``, every file is fsynced, the marker is
+written, and only then is the folder renamed into place (and the parent fsynced). A folder
+without the marker is never loaded: an interrupted save leaves at most a ``.tmp-`` folder,
+which the next save removes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_model, save_model
+
+MARKER = "COMPLETE"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some platforms cannot open directories
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoint_root(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def tmp_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    return checkpoint_root(run_dir) / f".tmp-{step_dir_name(step)}"
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints as (step, path), oldest first; incomplete folders are skipped."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and path.is_dir() and is_complete(path):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+# --- random number generators -------------------------------------------------------------
+
+def rng_state() -> dict[str, Any]:
+    """All RNG states as tensors and plain numbers (loadable with weights_only=True)."""
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+        "numpy_meta": [int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": _python_state_to_tensor(random.getstate()),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    pos, has_gauss, cached = state["numpy_meta"]
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), pos,
+                         has_gauss, cached))
+    random.setstate(_python_state_from_tensor(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _python_state_to_tensor(state: tuple) -> torch.Tensor:
+    version, internal, _ = state
+    return torch.tensor([version, *internal], dtype=torch.int64)
+
+
+def _python_state_from_tensor(tensor: torch.Tensor) -> tuple:
+    values = [int(v) for v in tensor.tolist()]
+    return (values[0], tuple(values[1:]), None)
+
+
+# --- save / load ----------------------------------------------------------------------------
+
+def prepare_save(run_dir: str | os.PathLike, step: int) -> Path:
+    """Main process: a fresh, empty temporary folder for the checkpoint of ``step``."""
+    tmp = tmp_dir(run_dir, step)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def save_rank_state(tmp: Path, rank: int, data_state: dict[str, Any]) -> None:
+    """Every process: its RNG and data-sampler states."""
+    torch.save(rng_state(), tmp / f"rank_{rank}.pt")
+    (tmp / f"rank_{rank}.json").write_text(json.dumps(data_state))
+
+
+def save_main_state(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Any, trainer_state: dict[str, Any]) -> None:
+    """Main process: weights, optimizer, scheduler and trainer state."""
+    save_model(model, str(tmp / "model.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+
+
+def finalize_save(run_dir: str | os.PathLike, step: int, keep: int = 0) -> Path:
+    """Main process, after every process wrote its files: fsync, marker, rename, prune."""
+    tmp = tmp_dir(run_dir, step)
+    for path in tmp.iterdir():
+        _fsync_file(path)
+    marker = tmp / MARKER
+    marker.write_text(f"{step}\n")
+    _fsync_file(marker)
+    _fsync_dir(tmp)
+    final = checkpoint_root(run_dir) / step_dir_name(step)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    if keep > 0:
+        for _, old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Any, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restore a complete checkpoint into ``model``/``optimizer``/``scheduler`` and this
+    process's RNG. Returns (trainer state, this rank's data-sampler state)."""
+    if not is_complete(path):
+        raise ValueError(f"{path} has no {MARKER} marker: it is incomplete and cannot be loaded.")
+    trainer_state = json.loads((path / "trainer_state.json").read_text())
+    rank_json = path / f"rank_{rank}.json"
+    if not rank_json.is_file():
+        raise ValueError(
+            f"{path} was written by {trainer_state.get('world_size')} process(es) and has no "
+            f"state for process {rank}: resume with the same number of processes.")
+    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+    if unexpected or missing:
+        raise ValueError(f"{path}/model.safetensors does not match the model: missing "
+                         f"{missing}, unexpected {unexpected}. Resume with the same config.")
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    set_rng_state(torch.load(path / f"rank_{rank}.pt", weights_only=True))
+    return trainer_state, json.loads(rank_json.read_text())

@@ -1,0 +1,281 @@
+"""Training configuration: a dataclass loaded from YAML, every field overridable from the CLI.
+
+Precedence (lowest to highest): dataclass defaults < YAML file (and the files it names with
+``base:``) < command-line overrides. Values are coerced to each field's declared type, so
+``lr: 5e-3`` in YAML (a string for PyYAML) and ``lr=5e-3`` on the command line both give a float.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MODEL_TYPES = ("mosaics", "gpt2")
+PRECISIONS = ("auto", "no", "fp16", "bf16")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a pretraining run needs. Defaults: a small model that trains on 2 CPU cores
+    in a few minutes on the embedded story corpus (``configs/default.yaml`` restates them)."""
+
+    # run
+    run_dir: str = "runs/default"
+    seed: int = 0
+    resume: bool = False
+
+    # data (see mosaics.data.prepare_corpus)
+    data_source: str | None = None
+    data_cache_dir: str | None = None
+    tokenizer: str | None = None
+    vocab_size: int = 4096
+    num_train_stories: int = 20000
+    num_val_stories: int | None = None
+    val_fraction: float = 0.005
+    data_seed: int = 0
+    data_num_proc: int = 1
+    text_column: str = "text"
+
+    # model
+    model_type: str = "mosaics"
+    n_layer: int = 4
+    n_head: int = 8
+    n_embd: int = 256
+    block_size: int = 256
+    pmem_size: int | None = None
+    dropout: float = 0.0
+    attn_dropout: float = 0.0
+    kernel: str = "gaussian"
+    kernel_kwargs: dict[str, Any] = field(default_factory=dict)
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    gradient_checkpointing: bool = False
+
+    # optimisation
+    max_steps: int = 200
+    batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    global_batch_size: int | None = None
+    lr: float = 5e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    mixed_precision: str = "auto"
+
+    # evaluation, logging, checkpoints
+    eval_interval: int = 50
+    eval_windows: int = 32
+    eval_batch_size: int = 16
+    log_interval: int = 10
+    checkpoint_interval: int = 100
+    keep_checkpoints: int = 2
+    progress_bar: bool = True
+
+    # final model and sample
+    save_final: bool = True
+    sample_prompt: str = "Once upon a time"
+    sample_tokens: int = 48
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad field and the fix."""
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {self.model_type!r}.")
+        if self.mixed_precision not in PRECISIONS:
+            raise ValueError(
+                f"mixed_precision must be one of {PRECISIONS}, got {self.mixed_precision!r}.")
+        for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "block_size",
+                     "eval_windows", "eval_batch_size", "log_interval", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
+        for name in ("warmup_steps", "eval_interval", "checkpoint_interval", "keep_checkpoints"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 disables), got {getattr(self, name)}.")
+        if not 0.0 <= self.min_lr <= self.lr:
+            raise ValueError(f"need 0 <= min_lr <= lr, got min_lr={self.min_lr}, lr={self.lr}.")
+        if self.global_batch_size is not None and self.global_batch_size <= 0:
+            raise ValueError(f"global_batch_size must be positive or null, got "
+                             f"{self.global_batch_size}.")
+
+    def accumulation_steps(self, world_size: int) -> int:
+        """Micro-batches per optimizer step on each process.
+
+        ``global_batch_size`` (windows per optimizer step, all processes together) wins when set:
+        it must equal batch_size x world_size x accumulation."""
+        if self.global_batch_size is None:
+            return self.gradient_accumulation_steps
+        per_step = self.batch_size * world_size
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} is not a multiple of batch_size x "
+                f"processes = {self.batch_size} x {world_size}; change batch_size or "
+                f"global_batch_size.")
+        return self.global_batch_size // per_step
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def _unknown_key_error(key: str, where: str) -> ValueError:
+    names = field_names()
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return ValueError(f"Unknown config field {key!r} ({where}).{hint} "
+                      f"Valid fields: {', '.join(names)}.")
+
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """Convert ``value`` (YAML scalar or CLI string) to the field type ``hint``."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
+            return None
+        return _coerce(name, value, args[0])
+    try:
+        if hint is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).lower()
+            if text in _TRUE | _FALSE:
+                return text in _TRUE
+            raise ValueError
+        if hint is int:
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(float(value)) if isinstance(value, str) and "e" in value.lower() \
+                else int(value)
+        if hint is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if hint is str:
+            if not isinstance(value, (str, int, float)):
+                raise ValueError
+            return str(value)
+        if origin is dict or hint is dict:
+            if isinstance(value, str):
+                value = yaml.safe_load(value) if value.strip() else {}
+            if value is None:
+                return {}
+            if not isinstance(value, dict):
+                raise ValueError
+            return dict(value)
+    except (TypeError, ValueError):
+        pretty = getattr(hint, "__name__", str(hint))
+        raise ValueError(f"Config field {name!r} expects {pretty}, got {value!r}.") from None
+    return value
+
+
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a YAML config; a ``base: other.yaml`` key (relative to this file) is merged first."""
+    path = path.resolve()
+    if path in seen:
+        raise ValueError(f"Config files include each other in a loop: {path}")
+    if not path.is_file():
+        raise FileNotFoundError(f"Config file not found: {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a mapping of config fields, got {type(data).__name__}.")
+    base = data.pop("base", None)
+    merged: dict[str, Any] = {}
+    if base is not None:
+        merged.update(_read_yaml(path.parent / str(base), (*seen, path)))
+    for key in data:
+        if key not in _hints():
+            raise _unknown_key_error(key, f"in {path}")
+    merged.update(data)
+    return merged
+
+
+def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, str]]:
+    """Split CLI arguments into (config path, {field: raw value}).
+
+    Accepted forms: ``key=value``, ``--key value``, ``--key=value``, bare ``--flag`` for a
+    boolean (``--resume``), and ``--config PATH``. Dashes in keys are read as underscores."""
+    config_path: str | None = None
+    overrides: dict[str, str] = {}
+    hints = _hints()
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--"):
+            body = arg[2:]
+            if "=" in body:
+                key, value = body.split("=", 1)
+            else:
+                key = body
+                nxt = args[i + 1] if i + 1 < len(args) else None
+                is_bool = hints.get(key.replace("-", "_")) is bool
+                if is_bool and (nxt is None or nxt.startswith("--") or "=" in nxt
+                                or nxt.lower() not in _TRUE | _FALSE):
+                    value = "true"
+                elif nxt is None:
+                    raise ValueError(f"Option --{key} needs a value: --{key} VALUE.")
+                else:
+                    value = nxt
+                    i += 1
+        elif "=" in arg:
+            key, value = arg.split("=", 1)
+        else:
+            raise ValueError(f"Cannot read argument {arg!r}: write key=value or --key value.")
+        key = key.replace("-", "_")
+        if key == "config":
+            config_path = value
+        else:
+            if key not in hints:
+                raise _unknown_key_error(key, "on the command line")
+            overrides[key] = value
+        i += 1
+    return config_path, overrides
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None
+                ) -> TrainConfig:
+    """Build a ``TrainConfig`` from defaults, an optional YAML file and overrides."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        values.update(_read_yaml(Path(path)))
+    for key, value in (overrides or {}).items():
+        if key not in _hints():
+            raise _unknown_key_error(key, "in overrides")
+        values[key] = value
+    hints = _hints()
+    coerced = {k: _coerce(k, v, hints[k]) for k, v in values.items()}
+    return TrainConfig(**coerced)
+
+
+def config_from_argv(argv: list[str]) -> TrainConfig:
+    """``train.py`` argument handling: ``[--config PATH] [key=value | --key value]...``."""
+    path, overrides = parse_overrides(argv)
+    return load_config(path, overrides)
+
+
+def save_config(config: TrainConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
