@@ -13,9 +13,24 @@ from .base import (
     register_kernel,
     strict_causal_mask,
 )
+from .biweight import BiweightKernel
+from .entmax_kernel import EntmaxKernel
+from .epanechnikov import EpanechnikovKernel
+from .epanechnikov_fixed import EpanechnikovFixedKernel
 from .gaussian import GaussianKernel
+from .knn import GaussianKNNKernel, UniformKNNKernel
+from .relumax import ReLUMaxKernel
+from .triweight import TriweightKernel
 
 __all__ = [
+    "BiweightKernel",
+    "EntmaxKernel",
+    "EpanechnikovFixedKernel",
+    "EpanechnikovKernel",
+    "GaussianKNNKernel",
+    "ReLUMaxKernel",
+    "TriweightKernel",
+    "UniformKNNKernel",
     "GaussianKernel",
     "Kernel",
     "KernelState",

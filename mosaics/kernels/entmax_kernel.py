@@ -1,0 +1,46 @@
+"""alpha-entmax kernel: w_t. = alpha-entmax(beta * cos(k_t, k_s), s < t), any alpha > 1.
+
+alpha = 1 + 1/r is the adaptive-bandwidth Nadaraya-Watson estimator with the compact kernel
+K(u) ~ (1 - u^2)_+^r: r = 1 Epanechnikov (sparsemax), r = 2 biweight (1.5-entmax), r = 3
+triweight (4/3-entmax). The support adapts per query: p_ts = [(alpha-1) s_ts - tau_t]_+^r.
+
+Options (``kernel_kwargs``): ``alpha`` (default 1.5) or ``r`` (alpha = 1 + 1/r), not both;
+``n_iter`` (default 50) caps the Newton/bisection iterations for alphas without an exact solver.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .base import register_kernel
+from .normalizers import check_alpha, entmax_backward, entmax_bisect_forward, entmax_forward
+from .score_kernel import ScoreKernel, check_positive, check_positive_int
+
+
+@register_kernel("entmax")
+class EntmaxKernel(ScoreKernel):
+    """alpha-entmax over the strict past (exact for alpha = 2 and 1.5, Newton/bisection else)."""
+
+    def __init__(self, alpha: float | None = None, r: float | None = None,
+                 n_iter: int = 50) -> None:
+        super().__init__()
+        if alpha is not None and r is not None:
+            raise ValueError(f"kernel {self.name!r}: give either alpha or r (alpha = 1 + 1/r), "
+                             f"not both (got alpha={alpha!r}, r={r!r})")
+        if r is not None:
+            alpha = 1.0 + 1.0 / check_positive(self.name, "r", r)
+        alpha = 1.5 if alpha is None else alpha
+        check_alpha(alpha)
+        self.alpha = float(alpha)
+        self.n_iter = check_positive_int(self.name, "n_iter", n_iter)
+
+    def score_weights(self, z: Tensor, mask: Tensor) -> Tensor:
+        if self.alpha in (2.0, 1.5):
+            return entmax_forward(z, self.alpha, mask)
+        return entmax_bisect_forward(z, self.alpha, mask, self.n_iter)
+
+    def score_backward(self, p: Tensor, dp: Tensor, z: Tensor, mask: Tensor) -> Tensor:
+        return entmax_backward(p, dp, self.alpha)
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}, alpha={self.alpha:g}"

@@ -1,0 +1,54 @@
+"""Normalized ReLU, fixed bandwidth (Epanechnikov-like kernel without adaptive support):
+
+    u_ts = [1 - beta (1 - cos(k_t, k_s))]_+,   w_ts = u_ts^r / sum_{s' < t} u_ts'^r,   s < t.
+
+On unit keys 1 - cos = |k_t - k_s|^2 / 2, so u is the kernel (1 - |k_t - k_s|^2 / h^2)_+ with
+h^2 = 2 / beta: a memory entry farther than h from the query gets no weight. When every entry is
+that far (empty support, 0/0) the row's output is 0, as for position 0.
+Option (``kernel_kwargs``): ``r`` > 0 (default 1).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import register_kernel
+from .score_kernel import ScoreKernel, check_positive
+
+
+def power_normalize(u: Tensor, r: float) -> Tensor:
+    """w = u^r / sum(u^r) along the last dim for u >= 0; all-zero rows stay 0."""
+    a = u if r == 1.0 else u.pow(r)
+    return a / a.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(a.dtype).tiny)
+
+
+def power_normalize_backward(p: Tensor, dp: Tensor, u: Tensor, r: float) -> Tensor:
+    """Gradient w.r.t. u of w = u^r / sum(u^r): r (p / u) (dp - <p, dp>) on u > 0, else 0."""
+    inner = (p * dp).sum(dim=-1, keepdim=True)
+    ratio = torch.where(u > 0, p / u.clamp_min(torch.finfo(u.dtype).tiny), 0.0)
+    return r * ratio * (dp - inner)
+
+
+@register_kernel("epanechnikov_fixed")
+class EpanechnikovFixedKernel(ScoreKernel):
+    """[1 - beta (1 - cos)]_+^r normalized over the strict past; empty support outputs 0."""
+
+    def __init__(self, r: float = 1.0) -> None:
+        super().__init__()
+        self.r = check_positive(self.name, "r", r)
+
+    def _u(self, cos: Tensor, beta: Tensor, mask: Tensor) -> Tensor:
+        u = (1.0 - beta * (1.0 - cos)).clamp_min(0.0)
+        return u.masked_fill(~mask, 0.0)
+
+    def weights(self, cos: Tensor, beta: Tensor, mask: Tensor) -> Tensor:
+        return power_normalize(self._u(cos, beta, mask), self.r)
+
+    def weights_backward(self, p: Tensor, dp: Tensor, cos: Tensor, beta: Tensor,
+                         mask: Tensor) -> tuple[Tensor, Tensor]:
+        du = power_normalize_backward(p, dp, self._u(cos, beta, mask), self.r)
+        return du * beta, (du * (cos - 1.0)).sum(dim=(0, 2, 3))
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}, r={self.r:g}"
