@@ -89,12 +89,14 @@ class Story:
         text: the full story.
         answer: the word that answers the recall question (the story's last content word).
         answer_start: character offset of the answer in ``text`` (inside the last sentence).
+        question_start: character offset where the recall question begins.
         kind: which fact the question is about ("giver", "colour", "pet", "count", ...).
     """
 
     text: str
     answer: str
     answer_start: int
+    question_start: int
     kind: str
 
 
@@ -293,8 +295,15 @@ def _one_story(rng: random.Random) -> Story:
     sentences.append(rng.choice(_ENDINGS))
     kind, question, lead, answer = rng.choice(facts)
     body = " ".join(sentences)
-    prefix = f"{body} {rng.choice(_QUESTION_LEADS)}{question} {lead} "
-    return Story(text=f"{prefix}{answer}.", answer=answer, answer_start=len(prefix), kind=kind)
+    opener = f"{body} {rng.choice(_QUESTION_LEADS)}"
+    prefix = f"{opener}{question} {lead} "
+    return Story(
+        text=f"{prefix}{answer}.",
+        answer=answer,
+        answer_start=len(prefix),
+        question_start=len(opener),
+        kind=kind,
+    )
 
 
 def generate_story_records(num_stories: int, seed: int = 0) -> list[Story]:
@@ -378,59 +387,84 @@ def _words(text: str) -> list[str]:
     return _WORD.findall(text)
 
 
+_FUNCTION_WORDS = frozenset(
+    _w(
+        "who what where how many which whose did was were the a an of to on go get have had name "
+        "color it do you remember here is question think back and at in"
+    )
+)
+
+
+def _sentences(text: str) -> list[set[str]]:
+    return [set(_words(x)) for x in re.split(r"(?<=[.!?])\s+", text) if x]
+
+
 def context_oracle_report(train: Sequence[Story], test: Sequence[Story]) -> dict[str, float]:
     """How much the story context helps to predict the recall answer (word level).
 
-    Two predictors of the answer word ``w`` given the previous word ``p``:
+    Three predictors of the answer word ``w``; ``q`` is the question's first word (Who, What,
+    Where, ...) and ``p`` the word before the answer:
 
-    - *global bigram*: P(w | p) from counts over the ``train`` stories, add-one smoothed over
-      the train vocabulary V: (c(p, w) + 1) / (c(p) + |V|).
-    - *bigram restricted to context*: the same bigram renormalised over the words that occur
-      in the story before the answer: P(w | p, ctx) = P(w | p) 1[w in ctx] / Z.
+    - *global* (no memory): P(w | q, p) counted over the answers of the ``train`` stories,
+      add-one smoothed over the train vocabulary V: (c(q, p, w) + 1) / (c(q, p) + |V|). It
+      knows the question type perfectly (a name, a colour, a number...) but not the story.
+    - *context*: the same prior renormalised over the words of the story before the
+      question: P(w | q, p, ctx) = P(w | q, p) 1[w in ctx] / Z.
+    - *assoc* (associative recall): additionally weights each context word by 4^m, with m the
+      largest number of the question's content words found in one earlier sentence that also
+      holds ``w`` (question words are keys, the sentence that matches them the value).
 
-    Returns accuracy (argmax == answer) and mean negative log-likelihood (nats) of both on
-    ``test``, and the fraction of answers that occur in the context.
+    Returns {name}_acc (argmax == answer) and {name}_nll (mean negative log-likelihood, nats)
+    over ``test``, the fraction of answers found in the story before the question, and
+    num_test. A gap between "global" and the others is what in-context memory can win.
     """
-    bigrams: Counter[tuple[str, str]] = Counter()
-    unigrams: Counter[str] = Counter()
-    for s in train:
-        w = _words(s.text)
-        unigrams.update(w[:-1])
-        bigrams.update(zip(w[:-1], w[1:]))
     vocab = sorted({w for s in train for w in _words(s.text)})
-    successors: dict[str, Counter[str]] = {}
-    for (p, w), c in bigrams.items():
-        successors.setdefault(p, Counter())[w] = c
     v = len(vocab)
-    res = {"global_acc": 0.0, "global_nll": 0.0, "context_acc": 0.0, "context_nll": 0.0}
-    in_ctx = 0
+    slot: dict[tuple[str, str], Counter[str]] = {}
+    for s in train:
+        slot.setdefault(_slot_key(s), Counter())[s.answer] += 1
+    res: Counter[str] = Counter()
+    in_story = 0
     for s in test:
-        before = _words(s.text[: s.answer_start])
-        prev = before[-1]
-        ctx = set(before)
-        succ = successors.get(prev, Counter())
-        denom = unigrams[prev] + v
+        counts = slot.get(_slot_key(s), Counter())
+        denom = sum(counts.values()) + v
 
-        def prob(w: str, succ=succ, denom=denom) -> float:
-            return (succ.get(w, 0) + 1) / denom
+        def prob(w: str, counts=counts, denom=denom) -> float:
+            return (counts.get(w, 0) + 1) / denom
 
-        best_global = max(vocab, key=lambda w: (prob(w), w))
-        res["global_acc"] += best_global == s.answer
-        res["global_nll"] += -math.log(prob(s.answer))
-        cands = [w for w in ctx if w in unigrams or w in succ] or list(ctx)
-        z = sum(prob(w) for w in cands)
-        best_ctx = max(cands, key=lambda w: (prob(w), w))
-        res["context_acc"] += best_ctx == s.answer
-        if s.answer in ctx:
-            in_ctx += 1
-            res["context_nll"] += -math.log(prob(s.answer) / z)
-        else:
-            res["context_nll"] += math.inf
+        body = s.text[: s.question_start]
+        keys = set(_words(s.text[s.question_start : s.answer_start]))
+        keys = {w for w in keys if w.lower() not in _FUNCTION_WORDS and w.isalnum()}
+        sentences = _sentences(body)
+        cands = sorted(set(_words(body)))
+        in_story += s.answer in cands
+
+        def assoc(w: str, keys=keys, sentences=sentences) -> float:
+            m = max((len((keys - {w}) & sent) for sent in sentences if w in sent), default=0)
+            return 4.0**m
+
+        scorers = {
+            "global": (vocab, prob),
+            "context": (cands, prob),
+            "assoc": (cands, lambda w, prob=prob, assoc=assoc: prob(w) * assoc(w)),
+        }
+        for name, (support, score) in scorers.items():
+            scores = {w: score(w) for w in support}
+            z = sum(scores.values())
+            best = max(support, key=lambda w, scores=scores: (scores[w], w))
+            res[f"{name}_acc"] += best == s.answer
+            p_answer = scores.get(s.answer, 0.0) / z
+            res[f"{name}_nll"] += -math.log(p_answer) if p_answer > 0 else math.inf
     n = max(len(test), 1)
-    out = {k: val / n for k, val in res.items()}
-    out["answer_in_context"] = in_ctx / n
+    out = {k: res[k] / n for k in sorted(res)}
+    out["answer_in_story"] = in_story / n
     out["num_test"] = float(len(test))
     return out
+
+
+def _slot_key(s: Story) -> tuple[str, str]:
+    """(first word of the question, word before the answer)."""
+    return _words(s.text[s.question_start :])[0], _words(s.text[: s.answer_start])[-1]
 
 
 if __name__ == "__main__":  # python -m mosaics.data.storygen
