@@ -69,6 +69,7 @@ class ContextualMemory(nn.Module):
         self.lookahead_c = nn.Parameter(torch.empty(H))  # value mix of x_t and x_{t+1}
         self.value_q = nn.Parameter(torch.empty(H))  # value scale exp(10 q)
         self.kernel: Kernel = get_kernel(config.kernel, **config.kernel_kwargs)
+        self.kernel.build(H, config.head_size)
         self.kernel.dropout = config.attn_dropout
         self.c_proj = nn.Linear(d, d, bias=False)
         self.resid_dropout = nn.Dropout(config.dropout)

@@ -17,6 +17,7 @@ from .biweight import BiweightKernel
 from .entmax_kernel import EntmaxKernel
 from .epanechnikov import EpanechnikovKernel
 from .epanechnikov_fixed import EpanechnikovFixedKernel
+from .fska import FSKAKernel as FSKAKernel
 from .gaussian import GaussianKernel
 from .knn import GaussianKNNKernel, UniformKNNKernel
 from .relumax import ReLUMaxKernel

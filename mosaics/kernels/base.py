@@ -33,6 +33,10 @@ class Kernel(nn.Module):
     dropout: float = 0.0
     regularization_weight: float = 0.0  # weight of regularization() in the training loss
 
+    def build(self, n_head: int, head_size: int) -> None:
+        """Create per-head weights once the sizes are known (called by the memory block right
+        after construction, so weights exist before a checkpoint is loaded). Default: none."""
+
     def forward(self, keys: Tensor, values: Tensor, beta: Tensor) -> Tensor:
         """Strict-past retrieval.
 
