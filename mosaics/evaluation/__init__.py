@@ -1,0 +1,1 @@
+"""Evaluation suite: RegBench, length extrapolation (Sort, MQMTAR), language-model loss."""

@@ -1,0 +1,247 @@
+"""End-to-end experiments behind ``eval/regbench.py`` and ``eval/extrapolation.py``.
+
+Presets (``reference`` follows the papers' protocol; ``cpu`` is a short budget that
+finishes on a laptop-class CPU; see docs/evaluation.md for the exact differences).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import regbench, tasks
+from .taskrun import (
+    TrainConfig,
+    build_model,
+    epoch_batches,
+    load_model,
+    model_config,
+    n_params,
+    train,
+    write_json,
+)
+
+
+@dataclass
+class RegBenchProtocol:
+    epochs: int = 200
+    batch_size: int = 32
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    warmup_frac: float = 0.1
+    max_steps: int | None = None
+    evals_per_epoch: float = 1.0  # validation every 1/evals_per_epoch epochs
+    eval_every: int | None = None  # overrides evals_per_epoch (in steps)
+    n_val: int = 500
+    n_test: int = 500
+    time_budget_s: float | None = None
+    n_layer: int = 2
+    n_embd: int = 128
+    n_head: int = 8
+    pmem_size: int = 448
+    dropout: float = 0.0
+    n_positions: int = 960  # GPT-2 only: longest RegBench example is 19*49 + 18 = 949 tokens
+
+
+REGBENCH_PRESETS = {
+    "reference": RegBenchProtocol(),
+    "cpu": RegBenchProtocol(epochs=10, max_steps=320, eval_every=40, n_val=100),
+}
+
+
+@dataclass
+class ExtrapolationProtocol:
+    steps: int = 20000
+    batch_size: int = 32
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    warmup_frac: float = 0.1
+    eval_every: int = 500
+    n_val: int = 256
+    min_len: int = 32
+    max_len: int = 64
+    multipliers: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    n_samples: int = 1000
+    time_budget_s: float | None = None
+    n_embd: int = 128
+    n_head: int = 8
+    n_layer: int | None = None  # None: the task's default (Sort 2, MQMTAR 4)
+    dropout: float = 0.0
+    eval_tokens: int = 32768  # tokens per evaluation batch
+
+
+EXTRAPOLATION_PRESETS = {
+    "reference": ExtrapolationProtocol(),
+    "cpu": ExtrapolationProtocol(steps=1500, eval_every=250, n_val=64, multipliers=(1, 2, 4, 8),
+                                 n_samples=100),
+}
+
+
+def _check_vocab(model: torch.nn.Module, expected: int, path: str | Path, task: str) -> None:
+    got = model.config.vocab_size
+    if got != expected:
+        raise ValueError(f"model {path} has vocab_size {got}, but {task} uses {expected} tokens; "
+                         "pass a model trained on this task")
+
+
+def _label(arch: str, kernel: str | None) -> str:
+    return "gpt2" if arch == "gpt2" else f"mosaics/{kernel}"
+
+
+def run_regbench(archs: list[str], kernels: list[str], sizes: list[int], proto: RegBenchProtocol,
+                 seed: int = 0, kernel_kwargs: dict | None = None, device: str = "cpu",
+                 out_dir: str | Path | None = None, save_models: bool = False,
+                 model_dirs: list[str] | None = None, progress: bool = True) -> dict[str, Any]:
+    """Train (or load) and score models on RegBench; returns the JSON-ready results."""
+    data = regbench.make_splits(max(sizes) if not model_dirs else 0, proto.n_val, proto.n_test,
+                                seed)
+    results: dict[str, Any] = {"protocol": asdict(proto), "seed": seed,
+                               "data_fingerprint": data.fingerprint(),
+                               "baselines": regbench.baseline_scores(data.test), "runs": []}
+    if model_dirs:
+        for path in model_dirs:
+            model = load_model(path, device)
+            _check_vocab(model, regbench.VOCAB_SIZE, path, "RegBench")
+            score = regbench.evaluate_model(model, data.test, proto.batch_size, device, progress)
+            results["runs"].append({"label": str(path), "model_dir": str(path), "size": None,
+                                    "params": n_params(model), **score})
+        return results
+    val_batches = [regbench.collate(data.val[i: i + proto.batch_size])
+                   for i in range(0, len(data.val), proto.batch_size)]
+    plans = [(a, k) for a in archs for k in (kernels if a == "mosaics" else [None])]
+    for size in sizes:
+        train_set = data.train[:size]
+        steps_per_epoch = math.ceil(size / proto.batch_size)
+        total = proto.epochs * steps_per_epoch
+        if proto.max_steps:
+            total = min(total, proto.max_steps)
+        eval_every = proto.eval_every or max(1, int(steps_per_epoch / proto.evals_per_epoch))
+        for arch, kernel in plans:
+            label = _label(arch, kernel)
+            cfg = model_config(arch, regbench.VOCAB_SIZE, proto.n_layer, proto.n_embd,
+                               proto.n_head, proto.pmem_size, kernel or "gaussian",
+                               kernel_kwargs, proto.dropout, proto.n_positions)
+            torch.manual_seed(seed)
+            model = build_model(cfg)
+            tcfg = TrainConfig(total_steps=total, batch_size=proto.batch_size, lr=proto.lr,
+                               weight_decay=proto.weight_decay, warmup_frac=proto.warmup_frac,
+                               eval_every=eval_every, time_budget_s=proto.time_budget_s,
+                               seed=seed)
+            batches = epoch_batches(train_set, proto.batch_size, regbench.collate, seed)
+            info = train(model, batches, val_batches, tcfg, device, progress,
+                         desc=f"{label} n={size}")
+            t0 = time.time()
+            score = regbench.evaluate_model(model, data.test, proto.batch_size, device, progress)
+            run = {"label": label, "arch": arch, "kernel": kernel, "size": size,
+                   "params": n_params(model), **score, "eval_seconds": time.time() - t0,
+                   "train": info.to_dict()}
+            if save_models and out_dir is not None:
+                path = Path(out_dir) / "models" / f"{label.replace('/', '-')}-n{size}"
+                model.save_pretrained(path)
+                run["model_dir"] = str(path)
+            results["runs"].append(run)
+            if out_dir is not None:  # keep partial results of long sweeps
+                write_json(Path(out_dir) / "results.json", results)
+    return results
+
+
+def regbench_table(results: dict[str, Any]) -> str:
+    """Plain-text table: one row per model (and baseline), one column per training size."""
+    runs = results["runs"]
+    sizes = sorted({r["size"] for r in runs if r["size"] is not None})
+    labels = list(dict.fromkeys(r["label"] for r in runs))
+    head = f"{'model':<28}{'params':>9}" + "".join(f"{f'n={s}':>18}" for s in sizes or ["-"])
+    lines = ["accuracy / TVD on the test automata (scored positions: letter targets)", head]
+    for label in labels:
+        mine = [r for r in runs if r["label"] == label]
+        cells = []
+        for s in sizes or [None]:
+            r = next((r for r in mine if r["size"] == s), None)
+            cells.append(f"{r['accuracy']:.3f} / {r['tvd']:.3f}" if r else "-")
+        lines.append(f"{label:<28}{mine[0]['params']:>9}" + "".join(f"{c:>18}" for c in cells))
+    for name, r in results["baselines"].items():
+        cell = f"{r['accuracy']:.3f} / {r['tvd']:.3f}"
+        lines.append(f"{name:<28}{'-':>9}" + "".join(f"{cell:>18}" for _ in sizes or [None]))
+    return "\n".join(lines)
+
+
+def run_extrapolation(task: str, kernels: list[str], proto: ExtrapolationProtocol, seed: int = 0,
+                      kernel_kwargs: dict | None = None, device: str = "cpu",
+                      out_dir: str | Path | None = None, save_models: bool = False,
+                      model_dirs: list[str] | None = None,
+                      progress: bool = True) -> dict[str, Any]:
+    """Train (or load) one model per kernel on lengths U{min..max_len}; exact match per length."""
+    from tqdm.auto import tqdm
+
+    if task not in tasks.TASKS:
+        raise ValueError(f"unknown task {task!r}; choose from {', '.join(tasks.TASKS)}")
+    spec = tasks.TASKS[task]
+    lengths = [proto.max_len * m for m in proto.multipliers]
+    results: dict[str, Any] = {"task": task, "protocol": asdict(proto), "seed": seed,
+                               "lengths": lengths, "runs": []}
+    test_sets = {n: tasks.fixed_set(task, proto.n_samples, n, seed + 1000) for n in lengths}
+
+    def evaluate(model: torch.nn.Module, label: str) -> dict[int, float]:
+        out = {}
+        for n in tqdm(lengths, desc=f"{label} test", disable=not progress, leave=False):
+            seq = len(test_sets[n][0].tokens)
+            bs = max(1, proto.eval_tokens // seq)
+            out[n] = tasks.evaluate_exact_match(model, task, test_sets[n], bs, device)
+        return out
+
+    if model_dirs:
+        for path in model_dirs:
+            model = load_model(path, device)
+            _check_vocab(model, spec.vocab_size, path, task)
+            results["runs"].append({"label": str(path), "model_dir": str(path),
+                                    "params": n_params(model), "exact_match": evaluate(model,
+                                                                                       str(path))})
+        return results
+    val = tasks.fixed_set(task, proto.n_val, (proto.min_len, proto.max_len), seed + 2000)
+    val_batches = [tasks.collate(val[i: i + proto.batch_size], spec.pad)
+                   for i in range(0, len(val), proto.batch_size)]
+    for b in val_batches:
+        b.pop("score_mask")
+    for kernel in kernels:
+        label = _label("mosaics", kernel)
+        cfg = model_config("mosaics", spec.vocab_size, proto.n_layer or spec.n_layer,
+                           proto.n_embd, proto.n_head, None, kernel, kernel_kwargs,
+                           proto.dropout, 2 * proto.max_len + 3)
+        torch.manual_seed(seed)
+        model = build_model(cfg)
+        tcfg = TrainConfig(total_steps=proto.steps, batch_size=proto.batch_size, lr=proto.lr,
+                           weight_decay=proto.weight_decay, warmup_frac=proto.warmup_frac,
+                           eval_every=proto.eval_every, time_budget_s=proto.time_budget_s,
+                           seed=seed)
+        batches = tasks.random_batches(task, proto.batch_size, proto.min_len, proto.max_len, seed)
+        info = train(model, batches, val_batches, tcfg, device, progress, desc=f"{label} {task}")
+        run = {"label": label, "kernel": kernel, "params": n_params(model),
+               "exact_match": evaluate(model, label), "train": info.to_dict()}
+        if save_models and out_dir is not None:
+            path = Path(out_dir) / "models" / f"{task}-{kernel}"
+            model.save_pretrained(path)
+            run["model_dir"] = str(path)
+        results["runs"].append(run)
+        if out_dir is not None:
+            write_json(Path(out_dir) / "results.json", results)
+    return results
+
+
+def extrapolation_table(results: dict[str, Any]) -> str:
+    lengths = results["lengths"]
+    head = f"{'model':<28}" + "".join(f"{f'len {n}':>10}" for n in lengths)
+    lines = [f"{results['task']}: exact match (teacher-forced argmax) by test length", head]
+    for r in results["runs"]:
+        em = {int(k): v for k, v in r["exact_match"].items()}
+        lines.append(f"{r['label']:<28}" + "".join(f"{em[n]:>10.3f}" for n in lengths))
+    return "\n".join(lines)
+
+
+def with_overrides(proto, **overrides: Any):  # noqa: ANN001, ANN201
+    """Copy of a protocol dataclass with the non-None overrides applied."""
+    return replace(proto, **{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,68 @@
+"""Matplotlib figures of the evaluation results (PNG, no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _save(fig, path: str | Path) -> Path:  # noqa: ANN001
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_regbench(results: dict[str, Any], path: str | Path) -> Path:
+    """Accuracy and TVD against the number of training automata; baselines as dashed lines."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    runs = [r for r in results["runs"] if r["size"] is not None]
+    for metric, ax in zip(("accuracy", "tvd"), axes):
+        for label in dict.fromkeys(r["label"] for r in runs):
+            pts = sorted((r["size"], r[metric]) for r in runs if r["label"] == label)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        for i, (name, r) in enumerate(results["baselines"].items()):
+            ax.axhline(r[metric], linestyle="--", color=f"C{7 + i}", label=name, linewidth=1)
+        ax.set_xscale("log")
+        ax.set_xlabel("training automata")
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("RegBench")
+    return _save(fig, path)
+
+
+def plot_extrapolation(results: dict[str, Any], path: str | Path) -> Path:
+    """Exact match against test length (log2 axis), one line per model."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in results["runs"]:
+        pts = sorted((int(k), v) for k, v in r["exact_match"].items())
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=r["label"])
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("test length")
+    ax.set_ylabel("exact match")
+    ax.set_title(f"{results['task']}: length extrapolation")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_loss_by_position(loss_by_position: list[float], path: str | Path,
+                          title: str = "loss by position") -> Path:
+    """Mean next-token loss at each position of the window (position t predicts token t)."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(range(1, len(loss_by_position) + 1), loss_by_position, linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("position in window")
+    ax.set_ylabel("mean loss (nats)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
