@@ -96,6 +96,7 @@ def prepare_corpus(
         out = root / "storygen" / f"seed{seed}-train{num_train_stories}-val{n_val}"
         make_default_corpus(out, num_train=num_train_stories, num_val=n_val, seed=seed)
         source = str(out)
+        log.info("story corpus ready in %s (%.1f s)", out, time.perf_counter() - t0)
     kwargs = dict(text_column=text_column, skip_malformed=skip_malformed, cache_dir=hf_cache)
     train_ds = load_texts(source, "train", **kwargs)
     try:
@@ -103,6 +104,7 @@ def prepare_corpus(
     except MissingSplitError:
         train_ds, val_ds = _carve_validation(train_ds, val_fraction, seed)
         log.info("carved %d validation documents out of %s", len(val_ds), source)
+    log.info("texts loaded (%.1f s)", time.perf_counter() - t0)
     if tokenizer is not None:
         tok = load_tokenizer(tokenizer)
     else:
@@ -112,6 +114,7 @@ def prepare_corpus(
             tok = load_tokenizer(tok_dir)
         else:
             tok = train_bpe_tokenizer(_iter_texts(train_ds), vocab_size, save_dir=tok_dir)
+            log.info("trained a %d-token BPE (%.1f s)", len(tok), time.perf_counter() - t0)
     tokens_dir = root / "tokens"
     train_tokens = tokenize_to_stream(train_ds, tok, num_proc=num_proc, cache_dir=tokens_dir)
     val_tokens = tokenize_to_stream(val_ds, tok, num_proc=num_proc, cache_dir=tokens_dir)
