@@ -58,13 +58,13 @@ class TrainConfig:
     gradient_checkpointing: bool = False
 
     # optimisation
-    max_steps: int = 200
+    max_steps: int = 150
     batch_size: int = 8
     gradient_accumulation_steps: int = 1
     global_batch_size: int | None = None
     lr: float = 5e-3
     min_lr: float = 1e-4
-    warmup_steps: int = 20
+    warmup_steps: int = 15
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -77,7 +77,7 @@ class TrainConfig:
     eval_windows: int = 32
     eval_batch_size: int = 16
     log_interval: int = 10
-    checkpoint_interval: int = 100
+    checkpoint_interval: int = 50
     keep_checkpoints: int = 2
     progress_bar: bool = True
 

@@ -60,6 +60,10 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     accelerator = Accelerator(mixed_precision=resolve_precision(cfg.mixed_precision),
                               gradient_accumulation_steps=cfg.accumulation_steps(world),
                               kwargs_handlers=handlers)
+    if world > 1 and accelerator.distributed_type == DistributedType.NO:
+        raise RuntimeError(f"WORLD_SIZE={world} but accelerate set up no process group, so each "
+                           "process would train alone. On CPU set ACCELERATE_USE_CPU=1; see "
+                           "docs/training.md for working launch commands.")
     if accelerator.num_processes != world:
         raise RuntimeError(f"WORLD_SIZE={world} but accelerate sees {accelerator.num_processes} "
                            "processes; see docs/training.md for working launch commands.")
