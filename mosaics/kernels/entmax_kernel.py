@@ -13,7 +13,13 @@ from __future__ import annotations
 from torch import Tensor
 
 from .base import register_kernel
-from .normalizers import check_alpha, entmax_backward, entmax_bisect_forward, entmax_forward
+from .normalizers import (
+    check_alpha,
+    entmax_backward,
+    entmax_forward,
+    entmax_from_threshold,
+    entmax_threshold,
+)
 from .score_kernel import ScoreKernel, check_positive, check_positive_int
 
 
@@ -35,9 +41,15 @@ class EntmaxKernel(ScoreKernel):
         self.n_iter = check_positive_int(self.name, "n_iter", n_iter)
 
     def score_weights(self, z: Tensor, mask: Tensor) -> Tensor:
-        if self.alpha in (2.0, 1.5):
-            return entmax_forward(z, self.alpha, mask)
-        return entmax_bisect_forward(z, self.alpha, mask, self.n_iter)
+        return entmax_forward(z, self.alpha, mask, self.n_iter)
+
+    def weights_and_state(self, cos: Tensor, beta: Tensor,
+                          mask: Tensor) -> tuple[Tensor, Tensor | None]:
+        return entmax_threshold(cos * beta, self.alpha, mask, self.n_iter)  # state: max, tau, sum
+
+    def weights_from_state(self, cos: Tensor, beta: Tensor, mask: Tensor,
+                           state: Tensor | None) -> Tensor:
+        return entmax_from_threshold(cos * beta, self.alpha, mask, state)
 
     def score_backward(self, p: Tensor, dp: Tensor, z: Tensor, mask: Tensor) -> Tensor:
         return entmax_backward(p, dp, self.alpha)

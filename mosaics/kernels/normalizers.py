@@ -30,18 +30,24 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def shifted_scores(z: Tensor, mask: Tensor | None, scale: float = 1.0) -> Tensor:
+def shifted_scores(z: Tensor, mask: Tensor | None, scale: float = 1.0,
+                   top: Tensor | None = None) -> Tensor:
     """scale * (z - row max) in the work dtype: <= 0 on valid entries, -inf on masked ones.
 
-    Rows with no valid entry are all -inf (their max is taken as 0, never NaN).
+    Rows with no valid entry are all -inf (their max is taken as 0, never NaN). ``top``
+    replaces the row max when given (see :func:`row_max`).
     """
     x = z.to(work_dtype(z.dtype))
     if mask is not None:
         x = x.masked_fill(~mask, float("-inf"))
-    top = x.amax(dim=-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    x = x - top
+    x = x - (row_max(x) if top is None else top)
     return x * scale if scale != 1.0 else x
+
+
+def row_max(x: Tensor) -> Tensor:
+    """(..., 1) max of each row over its finite entries; 0 for a row with none."""
+    top = x.amax(dim=-1, keepdim=True)
+    return torch.where(torch.isfinite(top), top, torch.zeros_like(top))
 
 
 def _top_candidates(x: Tensor, sort: bool) -> Tensor:
@@ -57,9 +63,8 @@ def _top_candidates(x: Tensor, sort: bool) -> Tensor:
     return x.sort(dim=-1, descending=True).values if sort else x
 
 
-def sparsemax_forward(z: Tensor, mask: Tensor | None = None) -> Tensor:
-    """sparsemax(z) = [z - tau]_+ along the last dim (exact, sort-based). No autograd."""
-    x = shifted_scores(z, mask)
+def _sparsemax_tau(x: Tensor) -> Tensor:
+    """Exact threshold of sparsemax on shifted scores x (sort-based)."""
     srt = _top_candidates(x, sort=True)
     valid = torch.isfinite(srt)
     srt = srt.masked_fill(~valid, 0.0)
@@ -67,13 +72,11 @@ def sparsemax_forward(z: Tensor, mask: Tensor | None = None) -> Tensor:
     csum = srt.cumsum(dim=-1)
     support = ((1.0 + ks * srt) > csum) & valid
     size = support.sum(dim=-1, keepdim=True)
-    tau = (csum.gather(-1, (size - 1).clamp_min(0)) - 1.0) / size.clamp_min(1).to(x.dtype)
-    return (x - tau).clamp_min(0.0)
+    return (csum.gather(-1, (size - 1).clamp_min(0)) - 1.0) / size.clamp_min(1).to(x.dtype)
 
 
-def entmax15_forward(z: Tensor, mask: Tensor | None = None) -> Tensor:
-    """1.5-entmax(z) = [z/2 - tau]_+^2 along the last dim (exact, sort-based). No autograd."""
-    x = shifted_scores(z, mask, scale=0.5)
+def _entmax15_tau(x: Tensor) -> Tensor:
+    """Exact threshold of 1.5-entmax on shifted, halved scores x (sort-based)."""
     srt = _top_candidates(x, sort=True)
     valid = torch.isfinite(srt)
     srt = srt.masked_fill(~valid, 0.0)
@@ -85,21 +88,23 @@ def entmax15_forward(z: Tensor, mask: Tensor | None = None) -> Tensor:
     tau_k = mean - delta.sqrt()
     support = (tau_k <= srt) & valid
     size = support.sum(dim=-1, keepdim=True)
-    tau = tau_k.gather(-1, (size - 1).clamp_min(0))
-    p = (x - tau).clamp_min(0.0).square()
-    return p / p.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
+    return tau_k.gather(-1, (size - 1).clamp_min(0))
 
 
-def entmax_bisect_forward(z: Tensor, alpha: float, mask: Tensor | None = None,
-                          n_iter: int = 50) -> Tensor:
-    """alpha-entmax(z) along the last dim by safeguarded Newton/bisection on tau. No autograd.
-
-    Rows are renormalized at the end, so every non-empty row sums to one exactly (up to
-    rounding) whatever the remaining error in tau.
-    """
-    check_alpha(alpha)
-    x = shifted_scores(z, mask, scale=alpha - 1.0)
+def entmax_exponent(alpha: float) -> float | int:
+    """r = 1 / (alpha - 1), as an int when it is one (integer powers are much faster)."""
     r = 1.0 / (alpha - 1.0)
+    return round(r) if abs(r - round(r)) < 1e-9 else r
+
+
+def _bisect_tau(x: Tensor, alpha: float, n_iter: int) -> Tensor:
+    """Threshold of alpha-entmax on shifted, scaled scores x: safeguarded Newton/bisection.
+
+    f(tau) = sum_i [x_i - tau]_+^r - 1 is decreasing; the bracket [lo, hi] keeps f(lo) >= 0 >=
+    f(hi), a Newton step is taken when it stays inside the bracket, bisection otherwise.
+    """
+    r = entmax_exponent(alpha)
+    tiny = torch.finfo(x.dtype).tiny
     cand = _top_candidates(x, sort=False)
     n_valid = torch.isfinite(cand).sum(dim=-1, keepdim=True).clamp_min(1).to(x.dtype)
     lo = torch.full_like(n_valid, -1.0)  # f(lo) >= 0: the max entry alone has p = 1
@@ -108,28 +113,94 @@ def entmax_bisect_forward(z: Tensor, alpha: float, mask: Tensor | None = None,
     tol = 64 * torch.finfo(x.dtype).eps
     for it in range(n_iter):
         d = (cand - tau).clamp_min(0.0)
-        pr = d.pow(r)
-        f = pr.sum(dim=-1, keepdim=True) - 1.0
-        slope = -r * torch.where(d > 0, pr / d.clamp_min(torch.finfo(x.dtype).tiny), 0.0)
-        slope = slope.sum(dim=-1, keepdim=True)
+        if isinstance(r, int) and r >= 2:
+            d_r1 = d.pow(r - 1)  # d^(r-1), 0 off the support
+            f = (d_r1 * d).sum(dim=-1, keepdim=True) - 1.0
+            slope = -r * d_r1.sum(dim=-1, keepdim=True)
+        else:
+            pr = d.pow(r)
+            f = pr.sum(dim=-1, keepdim=True) - 1.0
+            slope = -r * torch.where(d > 0, pr / d.clamp_min(tiny), 0.0).sum(dim=-1, keepdim=True)
         lo = torch.where(f >= 0, tau, lo)
         hi = torch.where(f < 0, tau, hi)
-        newton = tau - f / slope.clamp_max(-torch.finfo(x.dtype).tiny)
+        newton = tau - f / slope.clamp_max(-tiny)
         inside = (newton >= lo) & (newton <= hi)
         tau = torch.where(inside, newton, 0.5 * (lo + hi))
         if it % 4 == 3 and bool((f.abs() <= tol).all()):
             break
-    p = (x - tau).clamp_min(0.0).pow(r)
-    return p / p.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
+    return tau
 
 
-def entmax_forward(z: Tensor, alpha: float, mask: Tensor | None = None) -> Tensor:
-    """alpha-entmax with the exact solver when there is one (alpha = 2 or 1.5). No autograd."""
+def _power(x: Tensor, tau: Tensor, alpha: float) -> Tensor:
+    """Unnormalized weights [x - tau]_+^(1/(alpha-1))."""
+    d = (x - tau).clamp_min(0.0)
+    r = entmax_exponent(alpha)
+    return d if r == 1 else d.pow(r)
+
+
+def _row_total(p: Tensor) -> Tensor:
+    return p.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
+
+
+def entmax_threshold(z: Tensor, alpha: float, mask: Tensor | None = None,
+                     n_iter: int = 50) -> tuple[Tensor, Tensor]:
+    """alpha-entmax(z) and its (..., 3) row state [max, tau, normalizer]. No autograd.
+
+    Exact sort-based solver for alpha = 2 and 1.5, Newton/bisection otherwise; rows are
+    renormalized at the end (sum-to-one whatever the remaining error in tau). The state
+    rebuilds the weights in one pass with :func:`entmax_from_threshold` (used by backward).
+    """
+    check_alpha(alpha)
+    x = z.to(work_dtype(z.dtype))
+    if mask is not None:
+        x = x.masked_fill(~mask, float("-inf"))
+    top = row_max(x)
+    x = (x - top) * (alpha - 1.0)
     if alpha == 2.0:
-        return sparsemax_forward(z, mask)
-    if alpha == 1.5:
-        return entmax15_forward(z, mask)
-    return entmax_bisect_forward(z, alpha, mask)
+        tau = _sparsemax_tau(x)
+    elif alpha == 1.5:
+        tau = _entmax15_tau(x)
+    else:
+        tau = _bisect_tau(x, alpha, n_iter)
+    p = _power(x, tau, alpha)
+    total = _row_total(p)
+    return p / total, torch.cat([top, tau, total], dim=-1)
+
+
+def entmax_from_threshold(z: Tensor, alpha: float, mask: Tensor | None,
+                          state: Tensor) -> Tensor:
+    """The weights of :func:`entmax_threshold` rebuilt from its row state (one pass)."""
+    top, tau, total = state.split(1, dim=-1)
+    return _power(shifted_scores(z, mask, scale=alpha - 1.0, top=top), tau, alpha) / total
+
+
+def entmax_forward(z: Tensor, alpha: float, mask: Tensor | None = None,
+                   n_iter: int = 50) -> Tensor:
+    """alpha-entmax(z) along the last dim; rows sum to one (renormalized). No autograd."""
+    return entmax_threshold(z, alpha, mask, n_iter)[0]
+
+
+def sparsemax_forward(z: Tensor, mask: Tensor | None = None) -> Tensor:
+    """sparsemax(z) = [z - tau]_+ (exact, sort-based). No autograd."""
+    return entmax_forward(z, 2.0, mask)
+
+
+def entmax15_forward(z: Tensor, mask: Tensor | None = None) -> Tensor:
+    """1.5-entmax(z) = [z/2 - tau]_+^2 (exact, sort-based). No autograd."""
+    return entmax_forward(z, 1.5, mask)
+
+
+def entmax_bisect_forward(z: Tensor, alpha: float, mask: Tensor | None = None,
+                          n_iter: int = 50) -> Tensor:
+    """alpha-entmax(z) by safeguarded Newton/bisection on tau, whatever alpha. No autograd.
+
+    Rows are renormalized at the end, so every non-empty row sums to one (up to rounding)
+    whatever the remaining error in tau.
+    """
+    check_alpha(alpha)
+    x = shifted_scores(z, mask, scale=alpha - 1.0)
+    p = _power(x, _bisect_tau(x, alpha, n_iter), alpha)
+    return p / _row_total(p)
 
 
 def entmax_backward(p: Tensor, dp: Tensor, alpha: float) -> Tensor:
@@ -159,10 +230,7 @@ def check_alpha(alpha: float) -> None:
 class _EntmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z: Tensor, alpha: float, mask: Tensor | None, n_iter: int) -> Tensor:
-        if alpha in (2.0, 1.5):
-            p = entmax_forward(z, alpha, mask)
-        else:
-            p = entmax_bisect_forward(z, alpha, mask, n_iter)
+        p = entmax_forward(z, alpha, mask, n_iter)
         ctx.alpha = alpha
         ctx.save_for_backward(p)
         return p.to(z.dtype)
@@ -176,12 +244,12 @@ class _EntmaxFunction(torch.autograd.Function):
 
 def sparsemax(z: Tensor, mask: Tensor | None = None) -> Tensor:
     """Differentiable sparsemax over the last dim (custom backward)."""
-    return _EntmaxFunction.apply(z, 2.0, mask, 0)
+    return _EntmaxFunction.apply(z, 2.0, mask, 1)
 
 
 def entmax15(z: Tensor, mask: Tensor | None = None) -> Tensor:
     """Differentiable 1.5-entmax over the last dim (custom backward)."""
-    return _EntmaxFunction.apply(z, 1.5, mask, 0)
+    return _EntmaxFunction.apply(z, 1.5, mask, 1)
 
 
 def entmax(z: Tensor, alpha: float, mask: Tensor | None = None, n_iter: int = 50) -> Tensor:

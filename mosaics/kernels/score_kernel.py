@@ -7,8 +7,9 @@ retrieval y = W V for training and decoding, with
 
 - fp32 weights under any autocast (fp64 inputs stay fp64), output in the values' dtype;
 - memory linear in T per query chunk: queries are processed in chunks of rows, only the
-  inputs are saved for backward and each chunk's weights are recomputed there, so no T x T
-  matrix is ever alive (peak extra memory ~ a few chunk x T fp32 blocks);
+  inputs (and optionally a few numbers per row, e.g. entmax thresholds) are saved for
+  backward and each chunk's weights are recomputed there, so no T x T matrix is ever alive
+  (peak extra memory ~ a few chunk x T fp32 blocks);
 - a hand-written backward: dV = W^T dY, dW = dY V^T, then the kernel's own weight backward
   (no autograd through sorting or iterative solvers), then
   dQ = beta dS K, dK = beta dS^T Q, dbeta = sum(dS * cos) for scores S = beta * cos.
@@ -47,6 +48,16 @@ class ScoreKernel(Kernel):
     def weights(self, cos: Tensor, beta: Tensor, mask: Tensor) -> Tensor:
         """(B, H, n, S) cosines, (1, H, 1, 1) bandwidth, (n, S) mask -> (B, H, n, S) weights."""
         return self.score_weights(cos * beta, mask)
+
+    def weights_and_state(self, cos: Tensor, beta: Tensor,
+                          mask: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Weights plus an optional small per-row state (B, H, n, c) kept for backward."""
+        return self.weights(cos, beta, mask), None
+
+    def weights_from_state(self, cos: Tensor, beta: Tensor, mask: Tensor,
+                           state: Tensor | None) -> Tensor:
+        """Recompute the weights in backward, helped by the state of :meth:`weights_and_state`."""
+        return self.weights(cos, beta, mask)
 
     def weights_backward(self, p: Tensor, dp: Tensor, cos: Tensor, beta: Tensor,
                          mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -116,12 +127,14 @@ class _ChunkedRetrieval(torch.autograd.Function):
         with torch.autocast(queries.device.type, enabled=False):
             q, k, v = queries.to(wd), keys.to(wd), values.to(wd)
             bb = beta.to(wd).view(1, H, 1, 1)
+            states: list[Tensor | None] = []
             for a, b, width in _chunks(n, S, offset, _rows_per_chunk(kernel, B * H, S)):
                 mask = _chunk_mask(a, b, width, offset, q.device)
                 cos = q[:, :, a:b] @ k[:, :, :width].transpose(-1, -2)
-                p = kernel.weights(cos, bb, mask)
+                p, state = kernel.weights_and_state(cos, bb, mask)
+                states.append(state)
                 out[:, :, a:b] = (p @ v[:, :, :width]).to(out.dtype)
-        ctx.kernel, ctx.offset = kernel, offset
+        ctx.kernel, ctx.offset, ctx.states = kernel, offset, states  # O(n) per-row states
         ctx.save_for_backward(queries, keys, values, beta)
         return out
 
@@ -138,11 +151,12 @@ class _ChunkedRetrieval(torch.autograd.Function):
             bb = beta.to(wd).view(1, H, 1, 1)
             dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
             dbeta = torch.zeros(H, dtype=wd, device=q.device)
-            for a, b, width in _chunks(n, S, offset, _rows_per_chunk(kernel, B * H, S)):
+            chunks = _chunks(n, S, offset, _rows_per_chunk(kernel, B * H, S))
+            for (a, b, width), state in zip(chunks, ctx.states):
                 mask = _chunk_mask(a, b, width, offset, q.device)
                 qc, kc, vc, gc = q[:, :, a:b], k[:, :, :width], v[:, :, :width], go[:, :, a:b]
                 cos = qc @ kc.transpose(-1, -2)
-                p = kernel.weights(cos, bb, mask)
+                p = kernel.weights_from_state(cos, bb, mask, state)
                 dv[:, :, :width] += p.transpose(-1, -2) @ gc
                 dp = gc @ vc.transpose(-1, -2)
                 dcos, db = kernel.weights_backward(p, dp, cos, bb, mask)
