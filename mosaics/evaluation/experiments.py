@@ -186,12 +186,14 @@ def run_extrapolation(task: str, kernels: list[str], proto: ExtrapolationProtoco
                                "lengths": lengths, "runs": []}
     test_sets = {n: tasks.fixed_set(task, proto.n_samples, n, seed + 1000) for n in lengths}
 
-    def evaluate(model: torch.nn.Module, label: str) -> dict[int, float]:
-        out = {}
+    def evaluate(model: torch.nn.Module, label: str) -> dict[str, dict[int, float]]:
+        out: dict[str, dict[int, float]] = {"exact_match": {}, "token_accuracy": {}}
         for n in tqdm(lengths, desc=f"{label} test", disable=not progress, leave=False):
             seq = len(test_sets[n][0].tokens)
             bs = max(1, proto.eval_tokens // seq)
-            out[n] = tasks.evaluate_exact_match(model, task, test_sets[n], bs, device)
+            score = tasks.evaluate_exact_match(model, task, test_sets[n], bs, device)
+            for key, value in score.items():
+                out[key][n] = value
         return out
 
     if model_dirs:
@@ -199,8 +201,7 @@ def run_extrapolation(task: str, kernels: list[str], proto: ExtrapolationProtoco
             model = load_model(path, device)
             _check_vocab(model, spec.vocab_size, path, task)
             results["runs"].append({"label": str(path), "model_dir": str(path),
-                                    "params": n_params(model), "exact_match": evaluate(model,
-                                                                                       str(path))})
+                                    "params": n_params(model), **evaluate(model, str(path))})
         return results
     val = tasks.fixed_set(task, proto.n_val, (proto.min_len, proto.max_len), seed + 2000)
     val_batches = [tasks.collate(val[i: i + proto.batch_size], spec.pad)
@@ -221,7 +222,7 @@ def run_extrapolation(task: str, kernels: list[str], proto: ExtrapolationProtoco
         batches = tasks.random_batches(task, proto.batch_size, proto.min_len, proto.max_len, seed)
         info = train(model, batches, val_batches, tcfg, device, progress, desc=f"{label} {task}")
         run = {"label": label, "kernel": kernel, "params": n_params(model),
-               "exact_match": evaluate(model, label), "train": info.to_dict()}
+               **evaluate(model, label), "train": info.to_dict()}
         if save_models and out_dir is not None:
             path = Path(out_dir) / "models" / f"{task}-{kernel}"
             model.save_pretrained(path)
@@ -235,10 +236,13 @@ def run_extrapolation(task: str, kernels: list[str], proto: ExtrapolationProtoco
 def extrapolation_table(results: dict[str, Any]) -> str:
     lengths = results["lengths"]
     head = f"{'model':<28}" + "".join(f"{f'len {n}':>10}" for n in lengths)
-    lines = [f"{results['task']}: exact match (teacher-forced argmax) by test length", head]
-    for r in results["runs"]:
-        em = {int(k): v for k, v in r["exact_match"].items()}
-        lines.append(f"{r['label']:<28}" + "".join(f"{em[n]:>10.3f}" for n in lengths))
+    lines = []
+    for key in ("exact_match", "token_accuracy"):
+        lines += [f"{results['task']}: {key.replace('_', ' ')} (teacher-forced argmax) by test "
+                  "length", head]
+        for r in results["runs"]:
+            em = {int(k): v for k, v in r[key].items()}
+            lines.append(f"{r['label']:<28}" + "".join(f"{em[n]:>10.3f}" for n in lengths))
     return "\n".join(lines)
 
 

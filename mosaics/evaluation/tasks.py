@@ -145,14 +145,19 @@ def fixed_set(task: str, n: int, length: int | tuple[int, int], seed: int) -> li
 
 @torch.no_grad()
 def evaluate_exact_match(model: torch.nn.Module, task: str, samples: list[Sample],
-                         batch_size: int, device: str | torch.device = "cpu") -> float:
-    """Fraction of ``samples`` predicted exactly (teacher-forced argmax)."""
+                         batch_size: int, device: str | torch.device = "cpu") -> dict[str, float]:
+    """Exact-match rate of ``samples`` (teacher-forced argmax) and the per-token accuracy on
+    the scored positions."""
     model.eval()
     pad = TASKS[task].pad
-    hits = 0
+    hits = right = scored = 0
     for i in range(0, len(samples), batch_size):
         batch = collate(samples[i: i + batch_size], pad)
         ids = batch["input_ids"].to(device)
+        mask = batch["score_mask"].to(device)
         logits = model(input_ids=ids).logits
-        hits += int(exact_match(logits, ids, batch["score_mask"].to(device)).sum())
-    return hits / len(samples)
+        hits += int(exact_match(logits, ids, mask).sum())
+        ok = logits[:, :-1].argmax(-1) == ids[:, 1:]
+        right += int((ok & mask[:, 1:]).sum())
+        scored += int(mask[:, 1:].sum())
+    return {"exact_match": hits / len(samples), "token_accuracy": right / max(scored, 1)}
