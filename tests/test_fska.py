@@ -17,7 +17,7 @@ from mosaics.kernels.spectral_flow import (
     SpectralMixturePrior,
     cosine_features,
     elu1_features,
-    exp_features,
+    exp_log_features,
     spectral_kl,
 )
 from mosaics.remote_code import flat_sources
@@ -126,20 +126,20 @@ def test_cosine_features_match_bivariate_formula():
     assert bool((elu1_features(x, w1, w2) > 0).all())
 
 
-def test_exp_features_match_formula_and_shift_cancels():
+def test_exp_features_match_formula():
     torch.manual_seed(2)
     H, hs, M = 2, 4, 5
     x = unit(torch.randn(1, H, 3, hs, dtype=torch.float64))
     w1 = torch.randn(H, M, hs, dtype=torch.float64)
     w2 = torch.randn(H, M, hs, dtype=torch.float64)
-    g = exp_features(x, w1, w2, shift=torch.zeros(H, dtype=torch.float64))
+    g = torch.exp(exp_log_features(x, w1, w2))
     a1, a2 = x @ w1.transpose(-1, -2), x @ w2.transpose(-1, -2)  # (1, H, T, M)
-    want = (torch.exp(a1) + torch.exp(a2)) / math.sqrt(4 * M)
-    torch.testing.assert_close(g, want)
-    # a per-row query shift changes g(q) by a constant factor per row
-    gq = exp_features(x, w1, w2)
-    ratio = gq / want
-    torch.testing.assert_close(ratio, ratio[..., :1].expand_as(ratio))
+    torch.testing.assert_close(g, (torch.exp(a1) + torch.exp(a2)) / math.sqrt(4 * M))
+    # g(x).g(y) = (4M)^-1 sum_m e^{w1.x+w1.y} + e^{w1.x+w2.y} + e^{w2.x+w1.y} + e^{w2.x+w2.y}
+    got = g @ g.transpose(-1, -2)
+    want = sum(torch.exp(p.unsqueeze(-2) + r.unsqueeze(-3)).sum(-1)
+               for p in (a1, a2) for r in (a1, a2)) / (4 * M)
+    torch.testing.assert_close(got, want)
 
 
 def test_initial_kernel_is_gaussian_plus_floor():
@@ -238,39 +238,50 @@ def test_chunked_linear_attention_matches_dense_masked_reference(T, chunk):
     assert torch.equal(got[:, :, 0], torch.zeros_like(got[:, :, 0]))
 
 
-@pytest.mark.parametrize("positive", ["elu1", "exp"])
-def test_kernel_forward_is_normalized_feature_attention(positive):
+def dense_reference(kernel: FSKAKernel, keys, values, beta):
+    """float64 masked attention with weights g(k_t).g(k_s), s < t, normalised in log space."""
+    w1, w2 = (w.detach().double() for w in kernel.frequencies(beta))
+    keys, values = keys.double(), values.double()
+    a1, a2 = keys @ w1.transpose(-1, -2), keys @ w2.transpose(-1, -2)
+    M = w1.shape[-2]
+    if kernel.positive == "elu1":
+        phi = torch.cat([a1.cos() + a2.cos(), a1.sin() + a2.sin()], -1) / math.sqrt(4 * M)
+        g = F.elu(phi) + 1
+        log_k = torch.log(g @ g.transpose(-1, -2))
+    else:
+        log_g = torch.logaddexp(a1, a2)
+        log_k = torch.logsumexp(log_g.unsqueeze(-2) + log_g.unsqueeze(-3), dim=-1)
+    T = keys.shape[2]
+    log_k = log_k.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(-1), float("-inf"))
+    weights = torch.softmax(log_k, dim=-1).nan_to_num(0.0)  # row 0: no memory -> 0
+    return weights @ values
+
+
+@pytest.mark.parametrize("positive,log_beta", [("elu1", 1.0), ("elu1", 8.0), ("exp", 1.0),
+                                               ("exp", 4.0)])
+def test_kernel_forward_is_normalized_feature_attention(positive, log_beta):
     torch.manual_seed(7)
     kernel = built_kernel(2, 6, num_features=8, positive=positive, chunk_size=3,
                           flow_hidden=8).eval()
     perturb(kernel.flow, 0.1)
     keys, values = unit(torch.randn(2, 2, 10, 6)), torch.randn(2, 2, 10, 6)
-    beta = torch.tensor([2.0, 7.0])
-    y = kernel(keys, values, beta).double()
-    w1, w2 = (w.detach().double() for w in kernel.frequencies(beta))
-    keys, values = keys.double(), values.double()
-    a1, a2 = keys @ w1.transpose(-1, -2), keys @ w2.transpose(-1, -2)
-    if positive == "elu1":
-        phi = torch.cat([a1.cos() + a2.cos(), a1.sin() + a2.sin()], -1) / math.sqrt(32)
-        g = F.elu(phi) + 1
-        weights = g @ g.transpose(-1, -2)
-    else:  # exp(w1.(x+y)) + exp(w1.x + w2.y) + exp(w2.x + w1.y) + exp(w2.(x+y)), up to scale
-        weights = sum(torch.exp(p.unsqueeze(-2) + r.unsqueeze(-3)).sum(-1)
-                      for p in (a1, a2) for r in (a1, a2))
-    weights = weights.tril(-1)
-    want = weights @ values / weights.sum(-1, keepdim=True).clamp_min(1e-30)
-    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
+    beta = torch.tensor([2.0, math.exp(log_beta)])
+    y = kernel(keys, values, beta)
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.double(), dense_reference(kernel, keys, values, beta),
+                               rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("positive", ["elu1", "exp"])
-def test_kernel_extend_matches_forward(positive):
+@pytest.mark.parametrize("positive,log_beta", [("elu1", 1.5), ("exp", 1.5), ("exp", 10.0)])
+def test_kernel_extend_matches_forward(positive, log_beta):
     """Memory entries lag the queries by one (m = n - 1 first, then m = n), any split."""
     torch.manual_seed(8)
-    kernel = built_kernel(2, 4, num_features=8, positive=positive, flow_hidden=8).eval()
+    kernel = built_kernel(2, 4, num_features=8, positive=positive, flow_hidden=8,
+                          chunk_size=5).eval()
     perturb(kernel.flow, 0.1)
     T = 12
     keys, values = unit(torch.randn(1, 2, T, 4)), torch.randn(1, 2, T, 4)
-    beta = torch.tensor([3.0, 5.0])
+    beta = torch.tensor([3.0, math.exp(log_beta)])
     full = kernel(keys, values, beta)
     state = kernel.init_state(1, 2, 4, keys.device, keys.dtype)
     outs, pos = [], 0
@@ -301,7 +312,8 @@ def test_cached_decoding_equals_full_forward(tiny_config, positive):
             parts.append(out.logits)
         torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-4, atol=1e-5)
     state = cache.layers[0]["context"]["kernel"]
-    assert set(state) == {"S", "z"} and state["S"].dtype == torch.float32
+    assert set(state) == ({"S", "z"} if positive == "elu1" else {"S", "z", "r"})
+    assert state["S"].dtype == torch.float32
     assert state["S"].shape == (2, 4, model.model.blocks[0].cmem.kernel.feature_dim, 8)
 
 

@@ -29,8 +29,7 @@ from .spectral_flow import (
     SpectralFlow,
     SpectralMixturePrior,
     elu1_features,
-    exp_features,
-    exp_key_shift,
+    exp_log_features,
     spectral_kl,
 )
 
@@ -74,6 +73,68 @@ def causal_linear_attention(q_feat: Tensor, k_feat: Tensor, values: Tensor, chun
         prev_z = torch.nn.functional.pad(chunk_z[:, :, :-1].cumsum(2), (0, 0, 1, 0))
         num = num + q @ prev_s
         den = den + (q @ prev_z.unsqueeze(-1)).squeeze(-1)
+    y = num / (den.unsqueeze(-1) + eps)
+    return y.reshape(B, H, n * C, D)[:, :, :T]
+
+
+NO_MEMORY = -1e30  # log-scale of an empty memory (finite, so differences stay defined)
+
+
+def stable_causal_linear_attention(feat: Tensor, log_scale: Tensor, values: Tensor, chunk: int,
+                                   eps: float) -> Tensor:
+    """Strict-past linear attention with features exp(log_scale_s) feat_s of any magnitude.
+
+    Args:
+        feat: (B, H, T, F) features rescaled to max 1 per position (the query features are
+            the same vectors; a per-query factor cancels in the normalisation).
+        log_scale: (B, H, T) per-position log-factor gamma_s (no gradient needed).
+        values: (B, H, T, D).
+        chunk, eps: as in :func:`causal_linear_attention`.
+    Returns:
+        (B, H, T, D): y_t = sum_{s<t} e^{gamma_s} (f_t.f_s) v_s / (sum_{s<t} e^{gamma_s} f_t.f_s
+        + eps'), computed relative to mu_t = max_{s<t} gamma_s, so every factor is at most 1
+        and the best key keeps weight e^0 (eps' = eps e^{mu_t}). Chunk sums are carried across
+        chunks relative to the running max (a scan over T / C chunks); no future position
+        enters any row's arithmetic, so the result is exactly causal.
+    """
+    B, H, T, Fd = feat.shape
+    D = values.shape[-1]
+    C = max(1, min(chunk, T))
+    n = -(-T // C)
+    pad = n * C - T
+    gam = log_scale.detach()
+    if pad:
+        feat, values = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (feat, values))
+        gam = torch.nn.functional.pad(gam, (0, pad), value=NO_MEMORY)
+    f = feat.view(B, H, n, C, Fd)
+    v = values.view(B, H, n, C, D)
+    gam = gam.view(B, H, n, C)
+    chunk_max = gam.amax(-1)  # (B, H, n)
+    before = torch.cat([torch.full_like(chunk_max[..., :1], NO_MEMORY),
+                        chunk_max.cummax(-1).values[..., :-1]], dim=-1)  # max over chunks < c
+    within = torch.cat([torch.full_like(gam[..., :1], NO_MEMORY),
+                        gam.cummax(-1).values[..., :-1]], dim=-1)  # max over s < t in chunk
+    mu = torch.maximum(within, before.unsqueeze(-1))  # (B, H, n, C)
+    mask = torch.ones(C, C, dtype=torch.bool, device=feat.device).tril(-1)
+    rel = torch.where(mask, gam.unsqueeze(-2) - mu.unsqueeze(-1), float("-inf"))
+    scores = (f @ f.transpose(-1, -2)) * torch.exp(rel)  # (B, H, n, C, C), s < t
+    num, den = scores @ v, scores.sum(-1)
+    if n > 1:
+        fk = f * torch.exp(gam - chunk_max.unsqueeze(-1)).unsqueeze(-1)
+        chunk_s, chunk_z = fk.transpose(-1, -2) @ v, fk.sum(-2)  # relative to chunk_max
+        S, z = torch.zeros_like(chunk_s[:, :, 0]), torch.zeros_like(chunk_z[:, :, 0])
+        prev_s, prev_z = [], []
+        for c in range(n):  # S_c = sum over chunks < c, relative to before[c]
+            prev_s.append(S)
+            prev_z.append(z)
+            if c + 1 < n:
+                keep = torch.exp(before[:, :, c] - before[:, :, c + 1]).view(B, H, 1)
+                add = torch.exp(chunk_max[:, :, c] - before[:, :, c + 1]).view(B, H, 1)
+                S = S * keep.unsqueeze(-1) + chunk_s[:, :, c] * add.unsqueeze(-1)
+                z = z * keep + chunk_z[:, :, c] * add
+        carry = torch.exp(before.unsqueeze(-1) - mu)  # (B, H, n, C) <= 1
+        num = num + (f @ torch.stack(prev_s, 2)) * carry.unsqueeze(-1)
+        den = den + (f @ torch.stack(prev_z, 2).unsqueeze(-1)).squeeze(-1) * carry
     y = num / (den.unsqueeze(-1) + eps)
     return y.reshape(B, H, n * C, D)[:, :, :T]
 
@@ -187,12 +248,17 @@ class FSKAKernel(Kernel):
         w = u * beta.float().sqrt().view(-1, 1, 1)
         return w[..., :self.head_size], w[..., self.head_size:]
 
-    def features(self, x: Tensor, w1: Tensor, w2: Tensor, role: str) -> Tensor:
-        """g(x) (B, H, T, M') in fp32; ``role`` is "query" or "key" (exp shifts differ)."""
+    def features(self, x: Tensor, w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor | None]:
+        """g(x) = e^{gamma} f(x): features f (B, H, T, M') fp32 and log-scale gamma (B, H, T).
+
+        elu1: f = ELU(phi) + 1 and gamma = None (bounded, no rescaling). exp: f = exp(log g -
+        gamma) with gamma = max log g (so max f = 1), computed in log space.
+        """
         if self.positive == "elu1":
-            return elu1_features(x, w1, w2)
-        shift = exp_key_shift(w1, w2) if role == "key" else None
-        return exp_features(x, w1, w2, shift)
+            return elu1_features(x, w1, w2), None
+        log_g = exp_log_features(x, w1, w2)
+        gamma = log_g.amax(-1).detach()
+        return torch.exp(log_g - gamma.unsqueeze(-1)), gamma
 
     def regularization(self) -> Tensor | None:
         """KL(flow || prior), Monte Carlo on the last training draw, mean over heads."""
@@ -212,24 +278,42 @@ class FSKAKernel(Kernel):
         self._beta = beta.detach()
         with torch.autocast(device_type=keys.device.type, enabled=False):
             w1, w2 = self.frequencies(beta)
-            x = keys.float()
-            if self.positive == "elu1":
-                qf = kf = self.features(x, w1, w2, "key")
+            f, gamma = self.features(keys.float(), w1, w2)
+            v = values.float()
+            if gamma is None:
+                y = causal_linear_attention(f, f, v, self.chunk_size, self.eps)
             else:
-                qf, kf = self.features(x, w1, w2, "query"), self.features(x, w1, w2, "key")
-            y = causal_linear_attention(qf, kf, values.float(), self.chunk_size, self.eps)
+                y = stable_causal_linear_attention(f, gamma, v, self.chunk_size, self.eps)
         return y.to(values.dtype)
 
     def init_state(self, batch: int, heads: int, head_size: int, device: torch.device,
                    dtype: torch.dtype) -> KernelState:
-        """{"S": (B, H, M', hs), "z": (B, H, M')}, fp32 zeros."""
+        """{"S": (B, H, M', hs), "z": (B, H, M')} fp32 zeros; the exp map adds "r": (B, H),
+        the running max of the keys' log-scales, relative to which S and z are stored."""
         f = self.feature_dim
-        return {"S": torch.zeros(batch, heads, f, head_size, device=device, dtype=torch.float32),
-                "z": torch.zeros(batch, heads, f, device=device, dtype=torch.float32)}
+        state = {"S": torch.zeros(batch, heads, f, head_size, device=device, dtype=torch.float32),
+                 "z": torch.zeros(batch, heads, f, device=device, dtype=torch.float32)}
+        if self.positive == "exp":
+            state["r"] = torch.full((batch, heads), NO_MEMORY, device=device, dtype=torch.float32)
+        return state
 
     def _eval_frequencies(self, beta: Tensor) -> tuple[Tensor, Tensor]:
         w = self._unit_frequencies_eval() * beta.float().sqrt().view(-1, 1, 1)
         return w[..., :self.head_size], w[..., self.head_size:]
+
+    @staticmethod
+    def _add_to_state(state: KernelState, f: Tensor, gamma: Tensor | None,
+                      v: Tensor) -> KernelState:
+        """Add keys with features e^{gamma} f (B, H, m, M') and values v (B, H, m, hs)."""
+        if gamma is None:
+            return {"S": state["S"] + f.transpose(-1, -2) @ v, "z": state["z"] + f.sum(-2)}
+        if f.shape[2] == 0:
+            return dict(state)
+        r = torch.maximum(state["r"], gamma.amax(-1))  # (B, H)
+        keep = torch.exp(state["r"] - r)
+        fk = f * torch.exp(gamma - r.unsqueeze(-1)).unsqueeze(-1)
+        return {"S": state["S"] * keep.view(*keep.shape, 1, 1) + fk.transpose(-1, -2) @ v,
+                "z": state["z"] * keep.unsqueeze(-1) + fk.sum(-2), "r": r}
 
     def prefill_state(self, state: KernelState, keys: Tensor, values: Tensor) -> KernelState:
         """Add entries using the eval frequencies at the bandwidth of the last forward."""
@@ -239,9 +323,8 @@ class FSKAKernel(Kernel):
                                "call; run the kernel's forward on the prompt first")
         with torch.autocast(device_type=keys.device.type, enabled=False):
             w1, w2 = self._eval_frequencies(self._beta)
-            kf = self.features(keys.float(), w1, w2, "key")
-            return {"S": state["S"] + kf.transpose(-1, -2) @ values.float(),
-                    "z": state["z"] + kf.sum(-2)}
+            f, gamma = self.features(keys.float(), w1, w2)
+            return self._add_to_state(state, f, gamma, values.float())
 
     def extend(self, state: KernelState, queries: Tensor, keys: Tensor, values: Tensor,
                beta: Tensor) -> tuple[Tensor, KernelState]:
@@ -251,15 +334,27 @@ class FSKAKernel(Kernel):
         n, m = queries.shape[2], keys.shape[2]
         with torch.autocast(device_type=queries.device.type, enabled=False):
             w1, w2 = self._eval_frequencies(beta)
-            qf = self.features(queries.float(), w1, w2, "query")
-            kf = self.features(keys.float(), w1, w2, "key")
+            fq, _ = self.features(queries.float(), w1, w2)
+            fk, gamma = self.features(keys.float(), w1, w2)
             v = values.float()
-            scores = (qf @ kf.transpose(-1, -2)).masked_fill(
-                ~extend_mask(n, 0, m, queries.device), 0.0)  # (B, H, n, m)
-            num = qf @ state["S"] + scores @ v
-            den = (qf @ state["z"].unsqueeze(-1)).squeeze(-1) + scores.sum(-1)
+            mask = extend_mask(n, 0, m, queries.device)  # (n, m)
+            scores = (fq @ fk.transpose(-1, -2)).masked_fill(~mask, 0.0)  # (B, H, n, m)
+            carry = None
+            if gamma is not None:  # rescale relative to mu_i = max visible log-scale
+                seen = torch.where(mask, gamma.unsqueeze(-2), NO_MEMORY)  # (B, H, n, m)
+                mu = torch.maximum(seen.amax(-1) if m else state["r"].unsqueeze(-1),
+                                   state["r"].unsqueeze(-1))  # (B, H, n)
+                rel = torch.where(mask, gamma.unsqueeze(-2) - mu.unsqueeze(-1), float("-inf"))
+                scores = scores * torch.exp(rel)
+                carry = torch.exp(state["r"].unsqueeze(-1) - mu)  # (B, H, n)
+            num_mem = fq @ state["S"]
+            den_mem = (fq @ state["z"].unsqueeze(-1)).squeeze(-1)
+            if carry is not None:
+                num_mem, den_mem = num_mem * carry.unsqueeze(-1), den_mem * carry
+            num = num_mem + scores @ v
+            den = den_mem + scores.sum(-1)
             y = num / (den.unsqueeze(-1) + self.eps)
-            new = {"S": state["S"] + kf.transpose(-1, -2) @ v, "z": state["z"] + kf.sum(-2)}
+            new = self._add_to_state(state, fk, gamma, v)
         return y.to(values.dtype), new
 
     def extra_repr(self) -> str:
