@@ -7,6 +7,7 @@ import logging
 import re
 
 import datasets
+import huggingface_hub
 import numpy as np
 import pytest
 import torch
@@ -24,6 +25,7 @@ from mosaics.data import (
     load_tokenizer,
     make_default_corpus,
     prepare_corpus,
+    stream_dtype,
     tokenize_to_stream,
     train_bpe_tokenizer,
     write_story_file,
@@ -124,9 +126,9 @@ def test_babistories_malformed_line(tmp_path, caplog):
 
 def test_plain_text_is_split_into_paragraphs(tmp_path):
     f = tmp_path / "book.txt"
-    f.write_text("First line.\nSame doc.\n\n\nSecond doc.\n  \nThird doc.")
+    f.write_text('"Hi," said Tom.\nSame doc.\n\n\nSecond doc.\n  \nThird doc.')
     ds = load_texts(str(f), cache_dir=str(tmp_path / "c"))
-    assert ds["text"] == ["First line.\nSame doc.", "Second doc.", "Third doc."]
+    assert ds["text"] == ['"Hi," said Tom.\nSame doc.', "Second doc.", "Third doc."]
 
 
 def test_jsonl_with_text_column_and_malformed_lines(tmp_path, caplog):
@@ -174,6 +176,7 @@ def test_saved_datasets_and_data_folders(tmp_path):
 def test_hub_id_fails_fast_offline(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ConnectionError, match="save_to_disk") as err:
         load_texts("nobody-here/no-such-dataset", cache_dir=str(tmp_path))
     assert "HF_HUB_OFFLINE" in str(err.value)
@@ -198,6 +201,11 @@ def test_tokenizer_round_trip_and_save_load(tokenizer, tmp_path):
     assert again.eos_token_id == tokenizer.eos_token_id
     with pytest.raises(OSError, match="tokenizer.json"):
         load_tokenizer(str(tmp_path / "nothing"))
+
+
+def test_stream_dtype_fits_the_vocabulary():
+    assert stream_dtype(65535) == np.uint16
+    assert stream_dtype(65536) == np.uint32
 
 
 def test_stream_is_documents_each_followed_by_eot(tokenizer, tmp_path):

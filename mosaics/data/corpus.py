@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +56,20 @@ def _carve_validation(ds, val_fraction: float, seed: int):
     n_val = min(max(1, round(n * val_fraction)), n - 1)
     parts = ds.train_test_split(test_size=n_val, seed=seed, shuffle=True)
     return parts["train"], parts["test"]
+
+
+def _save_tokenizer_atomic(tok, target: Path) -> None:
+    """save_pretrained into a temporary sibling folder, then rename it to ``target``."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        tok.save_pretrained(str(tmp))
+        os.rename(tmp, target)
+    except OSError:
+        if not (target / "tokenizer.json").is_file():  # not another process winning the race
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _iter_texts(ds, batch_size: int = 1000):
@@ -113,7 +129,8 @@ def prepare_corpus(
         if (tok_dir / "tokenizer.json").is_file():
             tok = load_tokenizer(tok_dir)
         else:
-            tok = train_bpe_tokenizer(_iter_texts(train_ds), vocab_size, save_dir=tok_dir)
+            tok = train_bpe_tokenizer(_iter_texts(train_ds), vocab_size)
+            _save_tokenizer_atomic(tok, tok_dir)
             log.info("trained a %d-token BPE (%.1f s)", len(tok), time.perf_counter() - t0)
     tokens_dir = root / "tokens"
     train_tokens = tokenize_to_stream(train_ds, tok, num_proc=num_proc, cache_dir=tokens_dir)

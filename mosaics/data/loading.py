@@ -8,8 +8,8 @@ cached under ``cache_dir``). Accepted sources, detected in this order:
 - a directory written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``;
 - any other directory: ``datasets.load_dataset(directory)`` (parquet/csv/json/text files);
 - a ``.jsonl`` / ``.json`` file: one JSON object per line holding ``text_column``;
-- a ``.txt`` file whose first non-empty line is a JSON string: BabiStories format, one
-  JSON-encoded story per line;
+- a ``.txt`` file with a JSON string among its first five non-empty lines: BabiStories
+  format, one JSON-encoded story per line;
 - any other ``.txt`` file: plain text, one document per paragraph (documents are separated by
   one or more blank lines; the lines inside a paragraph are kept, joined by newlines);
 - otherwise a hub id ("owner/name" or "name", optionally "name:config"), through
@@ -137,15 +137,22 @@ def _gen_paragraphs(path: str) -> Iterator[dict]:
         yield {"text": "\n".join(para)}
 
 
-def _is_babistories(path: Path) -> bool:
+def _is_babistories(path: Path, probe: int = 5) -> bool:
+    """True when one of the first ``probe`` non-empty lines is a JSON string (or no lines)."""
+    seen = 0
     with open(path, encoding="utf-8") as f:
         for line in f:
-            if line.strip():
-                try:
-                    return isinstance(json.loads(line), str)
-                except json.JSONDecodeError:
-                    return line.lstrip().startswith('"')
-    return True  # an empty file is an empty BabiStories file
+            if not line.strip():
+                continue
+            try:
+                if isinstance(json.loads(line), str):
+                    return True
+            except json.JSONDecodeError:
+                pass
+            seen += 1
+            if seen == probe:
+                return False
+    return seen == 0  # an empty file is an empty BabiStories file
 
 
 def _from_generator(gen, gen_kwargs: dict, key: str, cache_dir: str | None) -> datasets.Dataset:
@@ -242,7 +249,11 @@ def _load_hub(source: str, split: str, text_column: str, cache_dir: str | None) 
     try:
         dd = datasets.load_dataset(name, config or None, cache_dir=cache_dir)
     except Exception as e:  # offline cache miss, unknown id, auth...
-        reason = "offline mode (HF_HUB_OFFLINE=1) and not in the local cache" if offline else str(e)
+        reason = f"{type(e).__name__}: {e}"
+        if offline:
+            reason = (
+                f"offline mode (HF_HUB_OFFLINE=1) and not usable from the local cache ({reason})"
+            )
         raise ConnectionError(_hub_help(source, reason)) from e
     return _select_text(_pick_split(dd, split, source), text_column, source)
 

@@ -26,7 +26,7 @@ import re
 import tempfile
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = [
@@ -124,8 +124,23 @@ def _cap(s: str) -> str:
     return s[:1].upper() + s[1:]
 
 
+@dataclass
+class _Tale:
+    """What a story has established so far."""
+
+    people: list[_Person]
+    facts: list[tuple[str, str, str, str]] = field(default_factory=list)  # kind, q, lead, answer
+    used: set[str] = field(default_factory=set)  # objects, animals, ... already in the story
+    callbacks: list[str] = field(default_factory=list)  # later sentences restating facts
+
+    def fresh(self, rng: random.Random, pool: Sequence[str]) -> str:
+        word = rng.choice([w for w in pool if w not in self.used])
+        self.used.add(word)
+        return word
+
+
 def _filler(rng: random.Random, people: Sequence[_Person], place: str) -> str:
-    a, b = rng.sample(list(people), 2) if len(people) > 1 else (people[0], people[0])
+    a, b = rng.sample(list(people), 2)
     options = (
         f"{a.name} laughed and ran around the {place}.",
         f"{a.name} and {b.name} sat down to rest for a while.",
@@ -137,22 +152,26 @@ def _filler(rng: random.Random, people: Sequence[_Person], place: str) -> str:
         rng.choice(WEATHER),
         f"After a while, {a.name} wanted to play a game with {b.name}.",
         f"{a.name} held {b.name}'s hand.",
+        f'"Look, {b.name}!" said {a.name}. "This is fun!"',
+        f"{a.name} jumped over a big puddle, and {b.name} clapped.",
+        f"{a.name} drew a picture of {b.name} and gave it to {b.him}.",
+        f'"I am {rng.choice(FEELINGS)} today," said {a.name}.',
     )
     return rng.choice(options)
 
 
-def _episode_gift(rng, people, facts, used):
-    giver, taker = rng.sample(list(people), 2)
-    obj = rng.choice([o for o in OBJECTS if o not in used])
-    used.add(obj)
+def _episode_gift(rng: random.Random, tale: _Tale) -> tuple[str, str | None]:
+    giver, taker = rng.sample(tale.people, 2)
+    obj = tale.fresh(rng, OBJECTS)
     colour = rng.choice(COLOURS)
     place = rng.choice(PLACES)
+    size = rng.choice(("", "", "big ", "little ", "shiny ", "soft "))
     s = rng.choice(
         (
-            f"At the {place}, {giver.name} gave {taker.name} a {colour} {obj}.",
-            f"One day {giver.name} found a {colour} {obj} at the {place} and gave it to "
-            f"{taker.name}.",
-            f"{giver.name} had a {colour} {obj}. At the {place}, {giver.he} gave it to "
+            f"At the {place}, {giver.name} gave {taker.name} a {size}{colour} {obj}.",
+            f"One day {giver.name} found a {size}{colour} {obj} at the {place} and gave it "
+            f"to {taker.name}.",
+            f"{giver.name} had a {size}{colour} {obj}. At the {place}, {giver.he} gave it to "
             f"{taker.name} as a present.",
         )
     )
@@ -163,18 +182,21 @@ def _episode_gift(rng, people, facts, used):
             f"{_cap(taker.he)} loved the {obj} very much.",
         )
     )
-    facts.append(("giver", f"Who gave {taker.name} the {obj}?", "It was", giver.name))
-    facts.append(("colour", f"What color was the {obj}?", f"The {obj} was", colour))
-    facts.append(("place", f"Where did {taker.name} get the {obj}?", "At the", place))
+    tale.facts.append(("giver", f"Who gave {taker.name} the {obj}?", "It was", giver.name))
+    tale.facts.append(("colour", f"What color was the {obj}?", f"The {obj} was", colour))
+    tale.facts.append(("place", f"Where did {taker.name} get the {obj}?", "At the", place))
+    tale.callbacks += [
+        f"{taker.name} played with the {colour} {obj} all afternoon.",
+        f'"I love my {colour} {obj}," said {taker.name}.',
+        f"{giver.name} was glad that {taker.name} liked the {obj}.",
+    ]
     return s, place
 
 
-def _episode_pet(rng, people, facts, used):
-    owner = rng.choice(list(people))
-    animal = rng.choice([a for a in ANIMALS if a not in used])
-    used.add(animal)
-    pet = rng.choice([p for p in PET_NAMES if p not in used])
-    used.add(pet)
+def _episode_pet(rng: random.Random, tale: _Tale) -> tuple[str, str | None]:
+    owner = rng.choice(tale.people)
+    animal = tale.fresh(rng, ANIMALS)
+    pet = tale.fresh(rng, PET_NAMES)
     s = rng.choice(
         (
             f"{owner.name} had a little {animal} named {pet}.",
@@ -189,15 +211,19 @@ def _episode_pet(rng, people, facts, used):
             f"Everyone loved {pet}.",
         )
     )
-    facts.append(("pet", f"What was the name of {owner.name}'s {animal}?", "It was", pet))
-    facts.append(("owner", f"Whose {animal} was {pet}?", "It belonged to", owner.name))
+    tale.facts.append(("pet", f"What was the name of {owner.name}'s {animal}?", "It was", pet))
+    tale.facts.append(("owner", f"Whose {animal} was {pet}?", "It belonged to", owner.name))
+    tale.callbacks += [
+        f"{pet} the {animal} ran after {owner.name}.",
+        f"{owner.name} gave {pet} some water.",
+        f"{pet} sat next to {owner.name} happily.",
+    ]
     return s, None
 
 
-def _episode_count(rng, people, facts, used):
-    who = rng.choice(list(people))
-    thing = rng.choice([f for f in FRUITS if f not in used])
-    used.add(thing)
+def _episode_count(rng: random.Random, tale: _Tale) -> tuple[str, str | None]:
+    who = rng.choice(tale.people)
+    thing = tale.fresh(rng, FRUITS)
     n = rng.choice(NUMBERS)
     place = rng.choice(PLACES)
     s = rng.choice(
@@ -214,14 +240,17 @@ def _episode_count(rng, people, facts, used):
             f"{_cap(who.he)} wanted to keep them for later.",
         )
     )
-    facts.append(("count", f"How many {thing} did {who.name} have?", f"{who.name} had", n))
+    tale.facts.append(("count", f"How many {thing} did {who.name} have?", f"{who.name} had", n))
+    tale.callbacks += [
+        f"{who.name} looked at {who.his} {n} {thing} again.",
+        f'"I have {n} {thing}!" said {who.name}.',
+    ]
     return s, place
 
 
-def _episode_lost(rng, people, facts, used):
-    who, helper = rng.sample(list(people), 2)
-    obj = rng.choice([o for o in OBJECTS if o not in used])
-    used.add(obj)
+def _episode_lost(rng: random.Random, tale: _Tale) -> tuple[str, str | None]:
+    who, helper = rng.sample(tale.people, 2)
+    obj = tale.fresh(rng, OBJECTS)
     spot = rng.choice(HIDEOUTS)
     wrong = rng.choice([h for h in HIDEOUTS if h != spot])
     s = (
@@ -234,13 +263,17 @@ def _episode_lost(rng, people, facts, used):
             )
         )
     )
-    facts.append(("hideout", f"Where was the {obj}?", "It was under the", spot))
-    facts.append(("finder", f"Who found the {obj}?", "It was", helper.name))
+    tale.facts.append(("hideout", f"Where was the {obj}?", "It was under the", spot))
+    tale.facts.append(("finder", f"Who found the {obj}?", "It was", helper.name))
+    tale.callbacks += [
+        f"{who.name} thanked {helper.name} for finding the {obj}.",
+        f"{who.name} held the {obj} tightly so {who.he} would not lose it again.",
+    ]
     return s, None
 
 
-def _episode_day(rng, people, facts, used):
-    a, b = rng.sample(list(people), 2)
+def _episode_day(rng: random.Random, tale: _Tale) -> tuple[str, str | None]:
+    a, b = rng.sample(tale.people, 2)
     day = rng.choice(DAYS)
     place = rng.choice(PLACES)
     s = rng.choice(
@@ -249,8 +282,13 @@ def _episode_day(rng, people, facts, used):
             f"{a.name} took {b.name} to the {place} on {day}.",
         )
     )
-    facts.append(("day", f"On which day did {a.name} and {b.name} go to the {place}?", "On", day))
-    facts.append(("trip", f"Where did {a.name} and {b.name} go on {day}?", "To the", place))
+    q = f"On which day did {a.name} and {b.name} go to the {place}?"
+    tale.facts.append(("day", q, "On", day))
+    tale.facts.append(("trip", f"Where did {a.name} and {b.name} go on {day}?", "To the", place))
+    tale.callbacks += [
+        f"{a.name} and {b.name} had fun at the {place}.",
+        f"On the way home from the {place}, {b.name} sang a song.",
+    ]
     return s, place
 
 
@@ -282,18 +320,20 @@ def _one_story(rng: random.Random) -> Story:
             n=_NUMBER_WORDS[len(people)], names=_join_names([p.name for p in people])
         )
     ]
-    facts: list[tuple[str, str, str, str]] = []
-    used: set[str] = set()
+    tale = _Tale(people)
     episodes = rng.sample(_EPISODES, rng.choice((2, 3, 3, 4)))
     place = rng.choice(PLACES)
     for episode in episodes:
-        text, where = episode(rng, people, facts, used)
+        text, where = episode(rng, tale)
         place = where or place
         sentences.append(text)
         for _ in range(rng.choice((0, 1, 1, 2))):
-            sentences.append(_filler(rng, people, place))
+            if tale.callbacks and rng.random() < 0.5:
+                sentences.append(tale.callbacks.pop(rng.randrange(len(tale.callbacks))))
+            else:
+                sentences.append(_filler(rng, people, place))
     sentences.append(rng.choice(_ENDINGS))
-    kind, question, lead, answer = rng.choice(facts)
+    kind, question, lead, answer = rng.choice(tale.facts)
     body = " ".join(sentences)
     opener = f"{body} {rng.choice(_QUESTION_LEADS)}"
     prefix = f"{opener}{question} {lead} "
@@ -339,7 +379,7 @@ def write_story_file(path: str | os.PathLike, stories: Iterable[str]) -> Path:
 
 
 MANIFEST = "storygen.json"
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 
 
 def make_default_corpus(

@@ -15,7 +15,9 @@ import os
 import tempfile
 from pathlib import Path
 
+import datasets
 import numpy as np
+import pyarrow.compute as pc
 import torch
 
 __all__ = [
@@ -89,26 +91,52 @@ def tokenize_to_stream(
         return np.load(cached, mmap_mode="r", allow_pickle=False)
     if len(dataset) == 0:
         arr = np.zeros(0, dtype=dtype)
-    else:
-        mapped = dataset.select_columns(["text"]).map(
-            _encode_batch,
-            fn_kwargs={"tokenizer": tokenizer, "eos": eos},
-            batched=True,
-            batch_size=1000,
-            num_proc=num_proc if num_proc and num_proc > 1 else None,
-            remove_columns=["text"],
-            new_fingerprint=key,
-            desc="tokenizing",
-        )
-        column = mapped.data.column("ids")
-        parts = [chunk.flatten().to_numpy(zero_copy_only=False) for chunk in column.chunks]
-        flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        if flat.size and int(flat.max()) > np.iinfo(dtype).max:
-            raise ValueError(f"token id {int(flat.max())} does not fit {dtype}")
-        arr = flat.astype(dtype, copy=False)
-    if cached is not None:
-        _save_npy_atomic(cached, arr)
-    return arr
+        if cached is not None:
+            _save_npy_atomic(cached, arr)
+        return arr
+    features = datasets.Features(
+        {"ids": datasets.Sequence(datasets.Value(dtype.name)), "n": datasets.Value("int64")}
+    )
+    mapped = dataset.select_columns(["text"]).map(
+        _encode_batch,
+        fn_kwargs={"tokenizer": tokenizer, "eos": eos},
+        batched=True,
+        batch_size=1000,
+        num_proc=num_proc if num_proc and num_proc > 1 else None,
+        remove_columns=["text"],
+        features=features,
+        new_fingerprint=key,
+        desc="tokenizing",
+    )
+    total = int(pc.sum(mapped.data.column("n")).as_py())
+    if cached is None:
+        arr = np.empty(total, dtype=dtype)
+        _fill(arr, mapped)
+        return arr
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cached.parent, prefix=f".{cached.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(total,))
+        _fill(out, mapped)
+        out.flush()
+        del out
+        os.replace(tmp, cached)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return np.load(cached, mmap_mode="r", allow_pickle=False)
+
+
+def _fill(out: np.ndarray, mapped) -> None:
+    """Copy the flattened ``ids`` column of ``mapped`` into ``out`` chunk by chunk."""
+    pos = 0
+    for chunk in mapped.data.column("ids").chunks:
+        flat = chunk.flatten().to_numpy(zero_copy_only=False)
+        out[pos : pos + len(flat)] = flat
+        pos += len(flat)
+    if pos != len(out):
+        raise RuntimeError(f"token stream has {pos} tokens, expected {len(out)}")
 
 
 def _generator(seed: int, step: int) -> np.random.Generator:
