@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import re
 
 import datasets
@@ -279,6 +280,17 @@ def test_dataloader_workers_keep_the_batch_order():
     got = [b["input_ids"] for _, b in zip(range(4), loader)]
     for i, g in enumerate(got):
         assert torch.equal(g, ds.batch(3 + i)["input_ids"])
+
+
+def test_sampler_pickles_a_memory_mapped_stream_by_reference(tmp_path):
+    np.save(tmp_path / "t.npy", np.arange(3000, dtype=np.uint16))
+    tokens = np.load(tmp_path / "t.npy", mmap_mode="r")
+    ds = RandomWindowDataset(tokens, 16, batch_size=2, seed=5)
+    blob = pickle.dumps(ds)
+    assert len(blob) < 3000  # the 6000-byte stream is not inside
+    again = pickle.loads(blob)
+    assert isinstance(again.tokens, np.memmap)
+    assert torch.equal(again.batch(4)["input_ids"], ds.batch(4)["input_ids"])
 
 
 def test_fixed_validation_windows():

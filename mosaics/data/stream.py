@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 import os
 import tempfile
 from pathlib import Path
@@ -226,6 +227,21 @@ class RandomWindowDataset(torch.utils.data.IterableDataset):
                 yield {"input_ids": b["input_ids"][j], "labels": b["labels"][j]}
             within = 0
             step += workers
+
+    def __getstate__(self) -> dict:
+        """Pickle a memory-mapped stream by file name (for DataLoader workers), not by value."""
+        state = self.__dict__.copy()
+        t = self.tokens
+        if isinstance(t, np.memmap) and t.filename and isinstance(t.base, mmap.mmap):
+            state["tokens"] = ("memmap", t.filename, t.dtype.str, t.offset, t.shape)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        t = state["tokens"]
+        if isinstance(t, tuple) and t[0] == "memmap":
+            _, filename, dtype, offset, shape = t
+            state["tokens"] = np.memmap(filename, dtype=dtype, mode="r", offset=offset, shape=shape)
+        self.__dict__.update(state)
 
     def set_step(self, step: int) -> None:
         """Make the next iteration start at batch ``step``."""
