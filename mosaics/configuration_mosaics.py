@@ -50,7 +50,7 @@ class MosaicsConfig(PretrainedConfig):
         attn_dropout: float = 0.0,
         kernel: str = "gaussian",
         kernel_kwargs: dict[str, Any] | None = None,
-        leaky_chunk_size: int = 64,
+        leaky_chunk_size: int = 32,
         key_projection: bool = True,
         fixed_value_projection: bool = False,
         initializer_seed: int = 0,

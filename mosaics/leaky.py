@@ -26,7 +26,7 @@ def _decay_matrix(a: Tensor, n: int, stride: int = 1) -> Tensor:
     return d * mask
 
 
-def leaky_average(x: Tensor, a: Tensor, initial: Tensor | None = None, chunk: int = 64) -> Tensor:
+def leaky_average(x: Tensor, a: Tensor, initial: Tensor | None = None, chunk: int = 32) -> Tensor:
     """Un-normalised leaky sum along time.
 
     Args:

@@ -233,16 +233,17 @@ class MosaicsForCausalLM(MosaicsPreTrainedModel, GenerationMixin):
         h = out.last_hidden_state
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        logits = self.lm_head(h) * self.logit_scale
+        # scaling the (B, T, d) input of the head is cheaper than scaling (B, T, V) logits
+        logits = self.lm_head(h * self.logit_scale)
         loss = lm_loss = None
         if labels is not None:
-            shift_logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])
-            shift_labels = labels[:, 1:].reshape(-1).to(logits.device)
+            # shift the labels, not the logits: no (B, T, V) copy
+            shift_labels = F.pad(labels[:, 1:], (0, 1), value=-100).to(logits.device)
+            lm_loss = F.cross_entropy(logits.flatten(0, 1).float(), shift_labels.flatten(),
+                                      ignore_index=-100,
+                                      reduction="mean" if num_items_in_batch is None else "sum")
             if num_items_in_batch is not None:
-                lm_loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100,
-                                          reduction="sum") / num_items_in_batch
-            else:
-                lm_loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100)
+                lm_loss = lm_loss / num_items_in_batch
             loss = lm_loss
             if out.aux_loss is not None:
                 loss = lm_loss + self.regularization_weight * out.aux_loss
