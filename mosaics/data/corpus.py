@@ -113,7 +113,14 @@ def prepare_corpus(
         make_default_corpus(out, num_train=num_train_stories, num_val=n_val, seed=seed)
         source = str(out)
         log.info("story corpus ready in %s (%.1f s)", out, time.perf_counter() - t0)
-    kwargs = dict(text_column=text_column, skip_malformed=skip_malformed, cache_dir=hf_cache)
+    # local sources are converted to Arrow under the cache root; hub datasets stay in the
+    # standard Hugging Face cache, where an offline machine may already hold them
+    local = Path(source).expanduser().exists()
+    kwargs = dict(
+        text_column=text_column,
+        skip_malformed=skip_malformed,
+        cache_dir=hf_cache if local else None,
+    )
     train_ds = load_texts(source, "train", **kwargs)
     try:
         val_ds = load_texts(source, "validation", **kwargs)

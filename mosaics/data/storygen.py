@@ -326,6 +326,8 @@ def _one_story(rng: random.Random) -> Story:
     for episode in episodes:
         text, where = episode(rng, tale)
         place = where or place
+        if rng.random() < 0.3:  # a paragraph break, as in BabiStories
+            sentences[-1] += "\n\n"
         sentences.append(text)
         for _ in range(rng.choice((0, 1, 1, 2))):
             if tale.callbacks and rng.random() < 0.5:
@@ -334,7 +336,7 @@ def _one_story(rng: random.Random) -> Story:
                 sentences.append(_filler(rng, people, place))
     sentences.append(rng.choice(_ENDINGS))
     kind, question, lead, answer = rng.choice(tale.facts)
-    body = " ".join(sentences)
+    body = " ".join(sentences).replace("\n\n ", "\n\n")
     opener = f"{body} {rng.choice(_QUESTION_LEADS)}"
     prefix = f"{opener}{question} {lead} "
     return Story(
@@ -379,7 +381,7 @@ def write_story_file(path: str | os.PathLike, stories: Iterable[str]) -> Path:
 
 
 MANIFEST = "storygen.json"
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 3
 
 
 def make_default_corpus(
