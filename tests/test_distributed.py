@@ -1,0 +1,107 @@
+"""Multi-process training on CPU: 2 gloo DDP ranks (torchrun) and DeepSpeed ZeRO-2 (through
+accelerate) reach the same losses as one process with the same global batch."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mosaics.training.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=32, max_steps=12, warmup_steps=3,
+            num_train_stories=200, vocab_size=300, eval_interval=6, eval_windows=8,
+            eval_batch_size=4, log_interval=1, checkpoint_interval=0, dropout=0.0,
+            progress_bar=False, sample_tokens=0, save_final=False)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="0")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    for key in ("ACCELERATE_USE_CPU", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(key, None)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
+    """Run a launcher; on timeout kill its whole process group (no orphaned ranks)."""
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        pytest.fail(f"{cmd[2]} timed out after {timeout} s:\n{err[-3000:]}")
+    return proc.returncode, err
+
+
+def _metrics(run_dir: Path) -> dict[tuple[int, str], float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {(r["step"], k): v for r in rows for k, v in r.items()
+            if k in ("train/loss", "val/loss", "lr")}
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    """One process, 4 windows per step (in this process; also fills the data cache)."""
+    from mosaics.training import train
+
+    base = tmp_path_factory.mktemp("dist")
+    settings = dict(TINY, data_cache_dir=str(base / "cache"))
+    train(load_config(None, dict(settings, run_dir=str(base / "single"), batch_size=4)))
+    return base, settings, _metrics(base / "single")
+
+
+def _check_same(reference: dict, other: dict) -> None:
+    assert set(reference) == set(other)
+    for key, value in reference.items():
+        assert other[key] == pytest.approx(value, abs=1e-4, rel=0), key
+
+
+def test_two_gloo_ranks_match_one_process(single_process) -> None:
+    base, settings, reference = single_process
+    run_dir = base / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", str(ROOT / "train.py"), *(f"{k}={v}" for k, v in settings.items()),
+           f"run_dir={run_dir}", "batch_size=2"]
+    env = dict(_env(), ACCELERATE_USE_CPU="1")
+    code, err = _run(cmd, env, timeout=300)
+    assert code == 0, err[-3000:]
+    assert "2 process(es), DistributedType.MULTI_CPU" in err
+    _check_same(reference, _metrics(run_dir))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+def test_deepspeed_zero2_matches_one_process(single_process) -> None:
+    base, settings, reference = single_process
+    run_dir = base / "zero2"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs/accelerate/deepspeed_zero2.yaml"), "--main_process_port",
+           str(_free_port()), "--deepspeed_config_file",
+           str(ROOT / "configs/deepspeed/zero2.json"), str(ROOT / "train.py"),
+           *(f"{k}={v}" for k, v in settings.items()), f"run_dir={run_dir}", "batch_size=2",
+           "save_final=true"]
+    code, err = _run(cmd, _env(), timeout=500)
+    assert code == 0, err[-3000:]
+    assert "2 process(es), DistributedType.DEEPSPEED" in err
+    _check_same(reference, _metrics(run_dir))
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    assert model.config.n_layer == settings["n_layer"]
