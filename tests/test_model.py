@@ -323,3 +323,27 @@ def test_remote_code_loads_without_the_package(tiny_config, tmp_path):
                          env=env, cwd=tmp_path, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "OK (1, 14)" in res.stdout
+
+
+def test_kernel_with_forward_only_decodes_through_default_extend(tiny_config):
+    """A user kernel that implements only forward still gives exact cached generation."""
+    from mosaics.kernels import Kernel, register_kernel, strict_causal_mask
+
+    @register_kernel("test_cauchy")
+    class CauchyKernel(Kernel):
+        def forward(self, keys, values, beta):
+            cos = keys @ keys.transpose(-1, -2)
+            w = 1.0 / (1.0 + beta.view(1, -1, 1, 1) * (1.0 - cos))
+            w = w * strict_causal_mask(keys.shape[2], keys.device)
+            return (w / w.sum(-1, keepdim=True).clamp_min(1e-20)) @ values
+
+    torch.manual_seed(14)
+    model = MosaicsForCausalLM(tiny_config(kernel="test_cauchy")).eval()
+    ids = torch.randint(0, 61, (2, 12))
+    full = model(ids, use_cache=False).logits
+    out = model(ids[:, :1], use_cache=True)
+    parts = [out.logits]
+    for t in range(1, 12):
+        out = model(ids[:, t:t + 1], cache=out.cache)
+        parts.append(out.logits)
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)

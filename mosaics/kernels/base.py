@@ -72,8 +72,18 @@ class Kernel(nn.Module):
             beta: (H,) bandwidths.
         Returns:
             (B, H, n, hs) retrievals and the new state.
+
+        The default is exact for any kernel but recomputes the whole sequence with
+        :meth:`forward` (O(T^2) per step): the keys of positions 0..p+n-1 are the stored and
+        new memory keys plus the last query, whose own value is never read. Override it for
+        speed.
         """
-        raise NotImplementedError
+        state = append_memory(state, keys, values)
+        all_keys = torch.cat([state["keys"], queries[:, :, -1:]], dim=2)
+        B, H, _, hv = state["values"].shape
+        all_values = torch.cat([state["values"], state["values"].new_zeros(B, H, 1, hv)], dim=2)
+        n = queries.shape[2]
+        return self.forward(all_keys, all_values, beta)[:, :, -n:], state
 
     def regularization(self) -> Tensor | None:
         """An extra training loss term of this kernel (e.g. FSKA's KL), or None."""
