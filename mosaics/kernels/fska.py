@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from .base import Kernel, KernelState, extend_mask, register_kernel
 from .spectral_flow import (
@@ -278,7 +279,11 @@ class FSKAKernel(Kernel):
         self._beta = beta.detach()
         with torch.autocast(device_type=keys.device.type, enabled=False):
             w1, w2 = self.frequencies(beta)
-            f, gamma = self.features(keys.float(), w1, w2)
+            x = keys.float()
+            if torch.is_grad_enabled():  # recompute the features in backward: O(T M) less memory
+                f, gamma = checkpoint(self.features, x, w1, w2, use_reentrant=False)
+            else:
+                f, gamma = self.features(x, w1, w2)
             v = values.float()
             if gamma is None:
                 y = causal_linear_attention(f, f, v, self.chunk_size, self.eps)
