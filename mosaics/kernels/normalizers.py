@@ -155,7 +155,7 @@ def entmax_threshold(z: Tensor, alpha: float, mask: Tensor | None = None,
     if mask is not None:
         x = x.masked_fill(~mask, float("-inf"))
     top = row_max(x)
-    x = (x - top) * (alpha - 1.0)
+    x = x - top if alpha == 2.0 else (x - top) * (alpha - 1.0)
     if alpha == 2.0:
         tau = _sparsemax_tau(x)
     elif alpha == 1.5:

@@ -128,13 +128,17 @@ class _ChunkedRetrieval(torch.autograd.Function):
             q, k, v = queries.to(wd), keys.to(wd), values.to(wd)
             bb = beta.to(wd).view(1, H, 1, 1)
             states: list[Tensor | None] = []
-            for a, b, width in _chunks(n, S, offset, _rows_per_chunk(kernel, B * H, S)):
+            chunks = list(_chunks(n, S, offset, _rows_per_chunk(kernel, B * H, S)))
+            for a, b, width in chunks:
                 mask = _chunk_mask(a, b, width, offset, q.device)
                 cos = q[:, :, a:b] @ k[:, :, :width].transpose(-1, -2)
                 p, state = kernel.weights_and_state(cos, bb, mask)
                 states.append(state)
                 out[:, :, a:b] = (p @ v[:, :, :width]).to(out.dtype)
         ctx.kernel, ctx.offset, ctx.states = kernel, offset, states  # O(n) per-row states
+        # a single chunk is small by construction: keep it rather than recompute it
+        keep = len(chunks) == 1 and any(ctx.needs_input_grad[:4])
+        ctx.block = (cos, p) if keep else None
         ctx.save_for_backward(queries, keys, values, beta)
         return out
 
@@ -155,8 +159,11 @@ class _ChunkedRetrieval(torch.autograd.Function):
             for (a, b, width), state in zip(chunks, ctx.states):
                 mask = _chunk_mask(a, b, width, offset, q.device)
                 qc, kc, vc, gc = q[:, :, a:b], k[:, :, :width], v[:, :, :width], go[:, :, a:b]
-                cos = qc @ kc.transpose(-1, -2)
-                p = kernel.weights_from_state(cos, bb, mask, state)
+                if ctx.block is not None:
+                    cos, p = ctx.block
+                else:
+                    cos = qc @ kc.transpose(-1, -2)
+                    p = kernel.weights_from_state(cos, bb, mask, state)
                 dv[:, :, :width] += p.transpose(-1, -2) @ gc
                 dp = gc @ vc.transpose(-1, -2)
                 dcos, db = kernel.weights_backward(p, dp, cos, bb, mask)
