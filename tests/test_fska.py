@@ -258,7 +258,7 @@ def dense_reference(kernel: FSKAKernel, keys, values, beta):
 
 
 @pytest.mark.parametrize("positive,log_beta", [("elu1", 1.0), ("elu1", 8.0), ("exp", 1.0),
-                                               ("exp", 4.0)])
+                                               ("exp", 4.0), ("exp", 6.0)])
 def test_kernel_forward_is_normalized_feature_attention(positive, log_beta):
     torch.manual_seed(7)
     kernel = built_kernel(2, 6, num_features=8, positive=positive, chunk_size=3,
@@ -485,7 +485,8 @@ def retrieval_sharpness(positive: str, beta: float, T: int = 64, hs: int = 16, M
     """Mean weight the last query puts on its exact match among T - 1 past keys, times
     (T - 1): 1 means uniform attention."""
     torch.manual_seed(seed)
-    kernel = built_kernel(1, hs, num_features=M, positive=positive, flow_layers=1).eval()
+    kernel = built_kernel(1, hs, num_features=M, positive=positive, flow_layers=1,
+                          chunk_size=16).eval()
     keys = unit(torch.randn(32, 1, T, hs))
     target = torch.randint(0, T - 1, (32,))
     keys[:, 0, -1] = keys[torch.arange(32), 0, target]
@@ -495,8 +496,9 @@ def retrieval_sharpness(positive: str, beta: float, T: int = 64, hs: int = 16, M
     return float(weight.detach().mean()) * (T - 1)
 
 
-def test_exp_map_attends_more_sharply_than_elu1():
-    beta = math.exp(2.0)  # the bandwidth at initialisation
+@pytest.mark.parametrize("log_beta", [2.0, 10.0])  # the bandwidth at init, and its cap
+def test_exp_map_attends_more_sharply_than_elu1(log_beta):
+    beta = math.exp(log_beta)
     elu1, exp = retrieval_sharpness("elu1", beta), retrieval_sharpness("exp", beta)
     assert elu1 < 2.0  # the ELU+1 map is nearly uniform (|phi_i| <= 2 / sqrt(4M))
-    assert exp > 5.0 * elu1
+    assert exp > 5.0 * elu1  # at e^10 this needs the per-feature rescaled state

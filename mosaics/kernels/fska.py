@@ -79,63 +79,89 @@ def causal_linear_attention(q_feat: Tensor, k_feat: Tensor, values: Tensor, chun
 
 
 NO_MEMORY = -1e30  # log-scale of an empty memory (finite, so differences stay defined)
+MAX_PAIR_EXP = 80.0  # exponent cap of a pair's rescaling factor (e^80 < fp32 max)
 
 
-def stable_causal_linear_attention(feat: Tensor, log_scale: Tensor, values: Tensor, chunk: int,
+def _row_reference(rho: Tensor, log_pairs: Tensor) -> Tensor:
+    """nu = max(rho, max_j log_pairs[..., j]) over the last dim (which may be empty)."""
+    if log_pairs.shape[-1] == 0:
+        return rho
+    return torch.maximum(rho, log_pairs.amax(-1))
+
+
+def _pair_weights(pairs: Tensor, gq: Tensor, gk: Tensor, nu: Tensor, mask: Tensor) -> Tensor:
+    """w_ij = (f_i.f_j) e^{gamma_i + gamma_j - nu_i} on the mask, 0 elsewhere."""
+    scale = (gq.unsqueeze(-1) + gk.unsqueeze(-2) - nu.unsqueeze(-1)).clamp(max=MAX_PAIR_EXP)
+    return torch.where(mask, pairs * torch.exp(scale), 0.0)
+
+
+def _log_pairs(pairs: Tensor, gq: Tensor, gk: Tensor, mask: Tensor) -> Tensor:
+    """log k(i, j) = gamma_i + gamma_j + log(f_i.f_j) on the mask, -inf elsewhere (no grad)."""
+    logp = torch.log(pairs.detach()) + gq.unsqueeze(-1) + gk.unsqueeze(-2)
+    return torch.where(mask, logp, float("-inf"))
+
+
+def stable_causal_linear_attention(feat: Tensor, log_feat: Tensor, values: Tensor, chunk: int,
                                    eps: float) -> Tensor:
-    """Strict-past linear attention with features exp(log_scale_s) feat_s of any magnitude.
+    """Strict-past linear attention with positive features g = exp(log_feat) of any magnitude.
 
     Args:
-        feat: (B, H, T, F) features rescaled to max 1 per position (the query features are
-            the same vectors; a per-query factor cancels in the normalisation).
-        log_scale: (B, H, T) per-position log-factor gamma_s (no gradient needed).
+        feat: (B, H, T, F) the features rescaled per position, f_t = exp(log_feat_t - gamma_t)
+            with gamma_t = max log_feat_t (so max f_t = 1); queries and keys share them.
+        log_feat: (B, H, T, F) log g.
         values: (B, H, T, D).
         chunk, eps: as in :func:`causal_linear_attention`.
     Returns:
-        (B, H, T, D): y_t = sum_{s<t} e^{gamma_s} (f_t.f_s) v_s / (sum_{s<t} e^{gamma_s} f_t.f_s
-        + eps'), computed relative to mu_t = max_{s<t} gamma_s, so every factor is at most 1
-        and the best key keeps weight e^0 (eps' = eps e^{mu_t}). Chunk sums are carried across
-        chunks relative to the running max (a scan over T / C chunks); no future position
-        enters any row's arithmetic, so the result is exactly causal.
+        (B, H, T, D): y_t = sum_{s<t} (g_t.g_s) v_s / (sum_{s<t} g_t.g_s + eps e^{nu_t}).
+
+    Nothing is exponentiated unscaled. The prefix state of earlier chunks is kept per feature
+    m relative to r_m = max_s log g_s[m] (a scan over T / C chunks), so a key is dropped from
+    feature m only when another key exceeds it there by ~87 nats. Each query row t is
+    computed relative to nu_t = max(max_m (log g_t[m] + r_m), max_{s<t in chunk}
+    log g_t.g_s), an upper bound within log T of its largest term; every factor is then at most
+    1 (pair factors are capped at e^80 in the few cases where f_t.f_s is tiny). Inside a chunk
+    the pair products f_t.f_s come from one fp32 matmul and underflow below ~1e-38: far-apart
+    pairs in the same chunk can be dropped at very large bandwidths. No future position enters
+    any row's arithmetic.
     """
     B, H, T, Fd = feat.shape
     D = values.shape[-1]
     C = max(1, min(chunk, T))
     n = -(-T // C)
     pad = n * C - T
-    gam = log_scale.detach()
     if pad:
         feat, values = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (feat, values))
-        gam = torch.nn.functional.pad(gam, (0, pad), value=NO_MEMORY)
+        log_feat = torch.nn.functional.pad(log_feat, (0, 0, 0, pad), value=NO_MEMORY)
     f = feat.view(B, H, n, C, Fd)
+    L = log_feat.view(B, H, n, C, Fd)
     v = values.view(B, H, n, C, D)
-    gam = gam.view(B, H, n, C)
-    chunk_max = gam.amax(-1)  # (B, H, n)
-    before = torch.cat([torch.full_like(chunk_max[..., :1], NO_MEMORY),
-                        chunk_max.cummax(-1).values[..., :-1]], dim=-1)  # max over chunks < c
-    within = torch.cat([torch.full_like(gam[..., :1], NO_MEMORY),
-                        gam.cummax(-1).values[..., :-1]], dim=-1)  # max over s < t in chunk
-    mu = torch.maximum(within, before.unsqueeze(-1))  # (B, H, n, C)
+    gam = L.detach().amax(-1)  # (B, H, n, C)
+    # per-feature prefix state of the chunks before c, relative to r[c]
+    cmax = L.detach().amax(3)  # (B, H, n, F)
+    fk = torch.exp(L - cmax.unsqueeze(3))
+    chunk_s, chunk_z = fk.transpose(-1, -2) @ v, fk.sum(3)  # (B, H, n, F, D), (B, H, n, F)
+    S, z = torch.zeros_like(chunk_s[:, :, 0]), torch.zeros_like(chunk_z[:, :, 0])
+    r = torch.full_like(cmax[:, :, 0], NO_MEMORY)
+    prev_s, prev_z, prev_r = [], [], []
+    for c in range(n):
+        prev_s.append(S)
+        prev_z.append(z)
+        prev_r.append(r)
+        if c + 1 < n:
+            r_new = torch.maximum(r, cmax[:, :, c])
+            keep, add = torch.exp(r - r_new), torch.exp(cmax[:, :, c] - r_new)
+            S = S * keep.unsqueeze(-1) + chunk_s[:, :, c] * add.unsqueeze(-1)
+            z = z * keep + chunk_z[:, :, c] * add
+            r = r_new
+    r = torch.stack(prev_r, 2).unsqueeze(3)  # (B, H, n, 1, F)
     mask = torch.ones(C, C, dtype=torch.bool, device=feat.device).tril(-1)
-    rel = torch.where(mask, gam.unsqueeze(-2) - mu.unsqueeze(-1), float("-inf"))
-    scores = (f @ f.transpose(-1, -2)) * torch.exp(rel)  # (B, H, n, C, C), s < t
-    num, den = scores @ v, scores.sum(-1)
-    if n > 1:
-        fk = f * torch.exp(gam - chunk_max.unsqueeze(-1)).unsqueeze(-1)
-        chunk_s, chunk_z = fk.transpose(-1, -2) @ v, fk.sum(-2)  # relative to chunk_max
-        S, z = torch.zeros_like(chunk_s[:, :, 0]), torch.zeros_like(chunk_z[:, :, 0])
-        prev_s, prev_z = [], []
-        for c in range(n):  # S_c = sum over chunks < c, relative to before[c]
-            prev_s.append(S)
-            prev_z.append(z)
-            if c + 1 < n:
-                keep = torch.exp(before[:, :, c] - before[:, :, c + 1]).view(B, H, 1)
-                add = torch.exp(chunk_max[:, :, c] - before[:, :, c + 1]).view(B, H, 1)
-                S = S * keep.unsqueeze(-1) + chunk_s[:, :, c] * add.unsqueeze(-1)
-                z = z * keep + chunk_z[:, :, c] * add
-        carry = torch.exp(before.unsqueeze(-1) - mu)  # (B, H, n, C) <= 1
-        num = num + (f @ torch.stack(prev_s, 2)) * carry.unsqueeze(-1)
-        den = den + (f @ torch.stack(prev_z, 2).unsqueeze(-1)).squeeze(-1) * carry
+    pairs = f @ f.transpose(-1, -2)  # (B, H, n, C, C)
+    rho = (L.detach() + r).amax(-1)  # (B, H, n, C)
+    nu = _row_reference(rho, _log_pairs(pairs, gam, gam, mask))
+    w = _pair_weights(pairs, gam, gam, nu, mask)
+    q_w = torch.exp(L + r - nu.unsqueeze(-1))  # (B, H, n, C, F), at most 1
+    num = w @ v + q_w @ torch.stack(prev_s, 2)
+    den = w.sum(-1) + (q_w @ torch.stack(prev_z, 2).unsqueeze(-1)).squeeze(-1)
     y = num / (den.unsqueeze(-1) + eps)
     return y.reshape(B, H, n * C, D)[:, :, :T]
 
@@ -250,16 +276,16 @@ class FSKAKernel(Kernel):
         return w[..., :self.head_size], w[..., self.head_size:]
 
     def features(self, x: Tensor, w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor | None]:
-        """g(x) = e^{gamma} f(x): features f (B, H, T, M') fp32 and log-scale gamma (B, H, T).
+        """Features (B, H, T, M') fp32 and, for the exp map, log g (B, H, T, M).
 
-        elu1: f = ELU(phi) + 1 and gamma = None (bounded, no rescaling). exp: f = exp(log g -
-        gamma) with gamma = max log g (so max f = 1), computed in log space.
+        elu1: g = ELU(phi) + 1 (bounded) and None. exp: f = exp(log g - gamma) with
+        gamma = max log g per position (so max f = 1), and log g itself.
         """
         if self.positive == "elu1":
             return elu1_features(x, w1, w2), None
         log_g = exp_log_features(x, w1, w2)
-        gamma = log_g.amax(-1).detach()
-        return torch.exp(log_g - gamma.unsqueeze(-1)), gamma
+        gamma = log_g.detach().amax(-1, keepdim=True)
+        return torch.exp(log_g - gamma), log_g
 
     def regularization(self) -> Tensor | None:
         """KL(flow || prior), Monte Carlo on the last training draw, mean over heads."""
@@ -281,25 +307,26 @@ class FSKAKernel(Kernel):
             w1, w2 = self.frequencies(beta)
             x = keys.float()
             if torch.is_grad_enabled():  # recompute the features in backward: O(T M) less memory
-                f, gamma = checkpoint(self.features, x, w1, w2, use_reentrant=False)
+                f, log_g = checkpoint(self.features, x, w1, w2, use_reentrant=False)
             else:
-                f, gamma = self.features(x, w1, w2)
+                f, log_g = self.features(x, w1, w2)
             v = values.float()
-            if gamma is None:
+            if log_g is None:
                 y = causal_linear_attention(f, f, v, self.chunk_size, self.eps)
             else:
-                y = stable_causal_linear_attention(f, gamma, v, self.chunk_size, self.eps)
+                y = stable_causal_linear_attention(f, log_g, v, self.chunk_size, self.eps)
         return y.to(values.dtype)
 
     def init_state(self, batch: int, heads: int, head_size: int, device: torch.device,
                    dtype: torch.dtype) -> KernelState:
-        """{"S": (B, H, M', hs), "z": (B, H, M')} fp32 zeros; the exp map adds "r": (B, H),
-        the running max of the keys' log-scales, relative to which S and z are stored."""
+        """{"S": (B, H, M', hs), "z": (B, H, M')} fp32 zeros; the exp map adds "r": (B, H, M),
+        the per-feature running max of the keys' log g, relative to which S and z are kept."""
         f = self.feature_dim
         state = {"S": torch.zeros(batch, heads, f, head_size, device=device, dtype=torch.float32),
                  "z": torch.zeros(batch, heads, f, device=device, dtype=torch.float32)}
         if self.positive == "exp":
-            state["r"] = torch.full((batch, heads), NO_MEMORY, device=device, dtype=torch.float32)
+            state["r"] = torch.full((batch, heads, f), NO_MEMORY, device=device,
+                                    dtype=torch.float32)
         return state
 
     def _eval_frequencies(self, beta: Tensor) -> tuple[Tensor, Tensor]:
@@ -307,18 +334,18 @@ class FSKAKernel(Kernel):
         return w[..., :self.head_size], w[..., self.head_size:]
 
     @staticmethod
-    def _add_to_state(state: KernelState, f: Tensor, gamma: Tensor | None,
+    def _add_to_state(state: KernelState, f: Tensor, log_g: Tensor | None,
                       v: Tensor) -> KernelState:
-        """Add keys with features e^{gamma} f (B, H, m, M') and values v (B, H, m, hs)."""
-        if gamma is None:
+        """Add keys (features f or log g, (B, H, m, M')) with values v (B, H, m, hs)."""
+        if log_g is None:
             return {"S": state["S"] + f.transpose(-1, -2) @ v, "z": state["z"] + f.sum(-2)}
-        if f.shape[2] == 0:
+        if log_g.shape[2] == 0:
             return dict(state)
-        r = torch.maximum(state["r"], gamma.amax(-1))  # (B, H)
+        r = torch.maximum(state["r"], log_g.amax(2))  # (B, H, M)
         keep = torch.exp(state["r"] - r)
-        fk = f * torch.exp(gamma - r.unsqueeze(-1)).unsqueeze(-1)
-        return {"S": state["S"] * keep.view(*keep.shape, 1, 1) + fk.transpose(-1, -2) @ v,
-                "z": state["z"] * keep.unsqueeze(-1) + fk.sum(-2), "r": r}
+        fk = torch.exp(log_g - r.unsqueeze(2))
+        return {"S": state["S"] * keep.unsqueeze(-1) + fk.transpose(-1, -2) @ v,
+                "z": state["z"] * keep + fk.sum(-2), "r": r}
 
     def prefill_state(self, state: KernelState, keys: Tensor, values: Tensor) -> KernelState:
         """Add entries using the eval frequencies at the bandwidth of the last forward."""
@@ -328,8 +355,8 @@ class FSKAKernel(Kernel):
                                "call; run the kernel's forward on the prompt first")
         with torch.autocast(device_type=keys.device.type, enabled=False):
             w1, w2 = self._eval_frequencies(self._beta)
-            f, gamma = self.features(keys.float(), w1, w2)
-            return self._add_to_state(state, f, gamma, values.float())
+            f, log_g = self.features(keys.float(), w1, w2)
+            return self._add_to_state(state, f, log_g, values.float())
 
     def extend(self, state: KernelState, queries: Tensor, keys: Tensor, values: Tensor,
                beta: Tensor) -> tuple[Tensor, KernelState]:
@@ -339,27 +366,24 @@ class FSKAKernel(Kernel):
         n, m = queries.shape[2], keys.shape[2]
         with torch.autocast(device_type=queries.device.type, enabled=False):
             w1, w2 = self._eval_frequencies(beta)
-            fq, _ = self.features(queries.float(), w1, w2)
-            fk, gamma = self.features(keys.float(), w1, w2)
+            fq, lq = self.features(queries.float(), w1, w2)
+            fk, lk = self.features(keys.float(), w1, w2)
             v = values.float()
             mask = extend_mask(n, 0, m, queries.device)  # (n, m)
-            scores = (fq @ fk.transpose(-1, -2)).masked_fill(~mask, 0.0)  # (B, H, n, m)
-            carry = None
-            if gamma is not None:  # rescale relative to mu_i = max visible log-scale
-                seen = torch.where(mask, gamma.unsqueeze(-2), NO_MEMORY)  # (B, H, n, m)
-                mu = torch.maximum(seen.amax(-1) if m else state["r"].unsqueeze(-1),
-                                   state["r"].unsqueeze(-1))  # (B, H, n)
-                rel = torch.where(mask, gamma.unsqueeze(-2) - mu.unsqueeze(-1), float("-inf"))
-                scores = scores * torch.exp(rel)
-                carry = torch.exp(state["r"].unsqueeze(-1) - mu)  # (B, H, n)
-            num_mem = fq @ state["S"]
-            den_mem = (fq @ state["z"].unsqueeze(-1)).squeeze(-1)
-            if carry is not None:
-                num_mem, den_mem = num_mem * carry.unsqueeze(-1), den_mem * carry
-            num = num_mem + scores @ v
-            den = den_mem + scores.sum(-1)
+            pairs = fq @ fk.transpose(-1, -2)  # (B, H, n, m)
+            if lq is None:
+                w = pairs.masked_fill(~mask, 0.0)
+                num, den = fq @ state["S"] + w @ v, fq @ state["z"].unsqueeze(-1)
+            else:  # relative to nu_i, as in stable_causal_linear_attention
+                gq, gk = lq.amax(-1), lk.amax(-1)
+                r = state["r"].unsqueeze(2)  # (B, H, 1, M)
+                nu = _row_reference((lq + r).amax(-1), _log_pairs(pairs, gq, gk, mask))
+                w = _pair_weights(pairs, gq, gk, nu, mask)
+                q_w = torch.exp(lq + r - nu.unsqueeze(-1))
+                num, den = q_w @ state["S"] + w @ v, q_w @ state["z"].unsqueeze(-1)
+            den = den.squeeze(-1) + w.sum(-1)
             y = num / (den.unsqueeze(-1) + self.eps)
-            new = self._add_to_state(state, fk, gamma, v)
+            new = self._add_to_state(state, fk, lk, v)
         return y.to(values.dtype), new
 
     def extra_repr(self) -> str:
