@@ -259,6 +259,30 @@ def test_kill_and_resume_matches_uninterrupted_run(reference_run) -> None:
     remote = subprocess.run([sys.executable, "-c", script], env=env, cwd=base,
                             capture_output=True, text=True, timeout=300)
     assert remote.returncode == 0, remote.stderr[-3000:]
-    result = json.loads(remote.stdout.strip().splitlines()[-1])
+    assert '{"gen"' in remote.stdout, remote.stdout[-3000:]
+    result = json.loads(remote.stdout[remote.stdout.rindex('{"gen"'):].splitlines()[0])
     assert result["gen"] == generated[0].tolist()
     assert torch.allclose(torch.tensor(result["logits"]), logits, atol=1e-5)
+
+
+def test_gpt2_baseline_trains_resumes_and_exports(reference_run) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from mosaics.training import train
+
+    base, settings = reference_run
+    run_dir = base / "gpt2"
+    settings = dict(settings, model_type="gpt2", max_steps=6, checkpoint_interval=3,
+                    eval_interval=3, run_dir=str(run_dir), save_final=True, sample_tokens=4)
+    result = train(load_config(None, settings))
+    assert result.sample is not None and result.sample.startswith("Once upon a time")
+    first = _metrics(run_dir)
+    train(load_config(None, dict(settings, resume=True)))
+    again = _metrics(run_dir)
+    assert set(first) == set(again)
+    for key, value in first.items():
+        if key[1] in ("train/loss", "val/loss"):
+            assert again[key] == pytest.approx(value, abs=1e-5, rel=0), key
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    assert model.config.n_embd == settings["n_embd"]
