@@ -182,9 +182,17 @@ def save_checkpoint(accelerator: Accelerator, cfg: TrainConfig, model: torch.nn.
 def _sample_text(final_dir: Path, prompt: str, max_new_tokens: int, seed: int) -> str:
     """Reload the saved model with the Auto classes and sample a continuation of ``prompt``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.integrations import deepspeed as hf_ds
 
     tokenizer = AutoTokenizer.from_pretrained(final_dir)
-    model = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32).eval()
+    # under ZeRO-3, from_pretrained would partition the weights over all processes (a
+    # collective); this single-process reload must not
+    saved = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32).eval()
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = saved
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     torch.manual_seed(seed)
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=True, top_k=40,
@@ -242,6 +250,9 @@ def train(cfg: TrainConfig) -> TrainResult:
             print(f"resumed from {resume_from} at step {start_step}", file=sys.stderr)
     if is_ds:
         _configure_deepspeed(accelerator, cfg)
+        if cfg.checkpoint_interval and main:
+            print("DeepSpeed: periodic checkpoints are disabled (resume needs DDP)",
+                  file=sys.stderr)
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
 
