@@ -14,7 +14,9 @@ memory is reset (``/proc/self/clear_refs``, Linux) and ``VmHWM`` is read after t
 forward + backward; the figure is that peak minus the resident memory just before the run
 (inputs and the torch runtime excluded). This counts every byte the run touches, temporaries
 and allocator overhead included, without the profiler's overhead; large tensors are mmapped
-by the allocator and returned to the OS when freed, so one case does not hide the next.
+by the allocator and returned to the OS when freed (the worker fixes glibc's mmap threshold
+at 256 KiB: by default it grows after the first large free and later blocks are then served,
+already resident, from the heap, which hides them), so one case does not hide the next.
 Where clear_refs is unavailable, ``ru_maxrss`` is used (then a lower bound).
 
     OMP_NUM_THREADS=1 python bench/kernels.py                      # T = 256 ... 4096 (8192 fska)
@@ -153,7 +155,8 @@ def measure(method: str, lengths: list[int], args: argparse.Namespace) -> list[d
            "--batch", str(args.batch), "--heads", str(args.heads), "--head-size",
            str(args.head_size), "--beta", str(args.beta), "--repeats", str(args.repeats),
            "--budget", str(args.budget)]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               MALLOC_MMAP_THRESHOLD_="262144")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
     rows = []
