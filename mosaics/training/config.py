@@ -71,6 +71,7 @@ class TrainConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
     mixed_precision: str = "auto"
+    ddp_find_unused_parameters: bool = False
 
     # evaluation, logging, checkpoints
     eval_interval: int = 50

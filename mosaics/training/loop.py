@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -19,7 +20,11 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, InitProcessGroupKwargs
+from accelerate.utils import (
+    DistributedDataParallelKwargs,
+    DistributedType,
+    InitProcessGroupKwargs,
+)
 
 from . import checkpoint as ckpt
 from .build import as_hf_tokenizer, build_model, count_parameters, special_token_ids
@@ -57,6 +62,8 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         # DeepSpeed through accelerate on CPU only sees the other ranks with an explicit gloo
         # process group (otherwise accelerate believes world size 1).
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    if cfg.ddp_find_unused_parameters:
+        handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
     accelerator = Accelerator(mixed_precision=resolve_precision(cfg.mixed_precision),
                               gradient_accumulation_steps=cfg.accumulation_steps(world),
                               kwargs_handlers=handlers)
@@ -179,24 +186,38 @@ def save_checkpoint(accelerator: Accelerator, cfg: TrainConfig, model: torch.nn.
     accelerator.wait_for_everyone()
 
 
+def save_final_model(model: torch.nn.Module, state_dict: dict, tokenizer: Any,
+                     final_dir: Path) -> None:
+    """Write the HF directory into a temporary folder, then rename it into place."""
+    tmp = final_dir.with_name(f".tmp-{final_dir.name}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, state_dict=state_dict)
+    tokenizer.save_pretrained(tmp)
+    if final_dir.exists():
+        shutil.rmtree(final_dir)
+    os.replace(tmp, final_dir)
+
+
 def _sample_text(final_dir: Path, prompt: str, max_new_tokens: int, seed: int) -> str:
     """Reload the saved model with the Auto classes and sample a continuation of ``prompt``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.integrations import deepspeed as hf_ds
 
     tokenizer = AutoTokenizer.from_pretrained(final_dir)
-    # under ZeRO-3, from_pretrained would partition the weights over all processes (a
-    # collective); this single-process reload must not
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    # under ZeRO-3, from_pretrained would partition the weights over all processes and
+    # generate would sync with them (collectives); this single-process check must not
     saved = hf_ds._hf_deepspeed_config_weak_ref
     hf_ds.unset_hf_deepspeed_config()
     try:
         model = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32).eval()
+        torch.manual_seed(seed)
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=True, top_k=40,
+                             temperature=0.8, pad_token_id=tokenizer.pad_token_id,
+                             synced_gpus=False)
     finally:
         hf_ds._hf_deepspeed_config_weak_ref = saved
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    torch.manual_seed(seed)
-    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=True, top_k=40,
-                         temperature=0.8, pad_token_id=tokenizer.pad_token_id)
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
@@ -331,12 +352,9 @@ def train(cfg: TrainConfig) -> TrainResult:
     final_dir = sample = None
     if cfg.save_final:
         final_dir = run_dir / "final"
-        state_dict = accelerator.get_state_dict(model)
-        unwrapped = accelerator.unwrap_model(model)
-        unwrapped.save_pretrained(final_dir, state_dict=state_dict,
-                                  is_main_process=main, save_function=accelerator.save)
+        state_dict = accelerator.get_state_dict(model)  # a collective under ZeRO-3
         if main:
-            tokenizer.save_pretrained(final_dir)
+            save_final_model(accelerator.unwrap_model(model), state_dict, tokenizer, final_dir)
         accelerator.wait_for_everyone()
         if main and cfg.sample_tokens > 0:
             sample = _sample_text(final_dir, cfg.sample_prompt, cfg.sample_tokens, cfg.seed)
