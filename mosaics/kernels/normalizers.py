@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -236,6 +237,7 @@ class _EntmaxFunction(torch.autograd.Function):
         return p.to(z.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dp: Tensor):  # noqa: ANN205
         (p,) = ctx.saved_tensors
         dz = entmax_backward(p, dp.to(p.dtype), ctx.alpha)

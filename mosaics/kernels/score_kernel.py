@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .base import Kernel, KernelState, append_memory
 from .normalizers import work_dtype
@@ -143,6 +144,7 @@ class _ChunkedRetrieval(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out: Tensor):  # noqa: ANN205
         queries, keys, values, beta = ctx.saved_tensors
         kernel, offset = ctx.kernel, ctx.offset
