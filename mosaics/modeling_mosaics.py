@@ -246,7 +246,10 @@ class MosaicsForCausalLM(MosaicsPreTrainedModel, GenerationMixin):
                 lm_loss = lm_loss / num_items_in_batch
             loss = lm_loss
             if out.aux_loss is not None:
-                loss = lm_loss + self.regularization_weight * out.aux_loss
+                weight = self.regularization_weight
+                if num_items_in_batch is not None:  # summed over micro-batches by the caller
+                    weight = weight * (shift_labels != -100).sum() / num_items_in_batch
+                loss = lm_loss + weight * out.aux_loss
         result = MosaicsCausalLMOutput(loss=loss, logits=logits, cache=out.cache,
                                        hidden_states=out.hidden_states, lm_loss=lm_loss,
                                        aux_loss=out.aux_loss)
