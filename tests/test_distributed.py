@@ -73,6 +73,7 @@ def _check_same(reference: dict, other: dict) -> None:
         assert other[key] == pytest.approx(value, abs=1e-4, rel=0), key
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_match_one_process(single_process) -> None:
     base, settings, reference = single_process
     run_dir = base / "ddp"
@@ -86,6 +87,7 @@ def test_two_gloo_ranks_match_one_process(single_process) -> None:
     _check_same(reference, _metrics(run_dir))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
 def test_deepspeed_zero2_matches_one_process(single_process) -> None:
     base, settings, reference = single_process

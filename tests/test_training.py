@@ -195,6 +195,7 @@ def reference_run(tmp_path_factory):
     return base, settings
 
 
+@pytest.mark.slow
 def test_kill_and_resume_matches_uninterrupted_run(reference_run) -> None:
     base, settings = reference_run
     run_dir = base / "killed"
