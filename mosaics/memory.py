@@ -85,6 +85,10 @@ class ContextualMemory(nn.Module):
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Raw key and value features W_k x, W_v x as (B, H, T, hs)."""
+        if self.k_proj is not None and self.v_proj is not None:  # one GEMM for both
+            w = torch.cat([self.k_proj.weight, self.v_proj.weight])
+            k, v = F.linear(x, w).chunk(2, dim=-1)
+            return split_heads(k, self.n_head), split_heads(v, self.n_head)
         k = self.k_proj(x) if self.k_proj is not None else x
         v = self.v_proj(x) if self.v_proj is not None else x @ self.v_fixed.to(x.dtype)
         return split_heads(k, self.n_head), split_heads(v, self.n_head)
@@ -92,7 +96,7 @@ class ContextualMemory(nn.Module):
     def finish_values(self, v_raw: Tensor) -> Tensor:
         """v_s from consecutive raw values (v~_s, v~_{s+1}): (B, H, n+1, hs) -> (B, H, n, hs)."""
         c = self.lookahead_c.view(1, -1, 1, 1).to(v_raw.dtype)
-        vbar = (1.0 - c) * v_raw[:, :, 1:] + c * v_raw[:, :, :-1]
+        vbar = torch.lerp(v_raw[:, :, 1:], v_raw[:, :, :-1], c)  # (1 - c) v~_{s+1} + c v~_s
         scale = torch.exp(self.value_q * EXP_SCALE).view(1, -1, 1, 1).to(v_raw.dtype)
         return scale * F.normalize(vbar, dim=-1, eps=NORM_EPS)
 
