@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> None:
                                        f"{Path(args.model).name}: loss by position")
     lbp = result["loss_by_position"]
     n = len(lbp)
-    spans = [(0, max(1, n // 10)), (n // 2 - n // 20, n // 2 + max(1, n // 20)), (n - max(1, n // 10), n)]
+    tenth = max(1, n // 10)
+    spans = [(0, tenth), (max(0, (n - tenth) // 2), max(0, (n - tenth) // 2) + tenth),
+             (n - tenth, n)]
     q = [sum(lbp[a:b]) / (b - a) for a, b in spans]
     print(f"windows {result['windows']} x {block} tokens ({result['tokens_scored']} scored)")
     print(f"loss {result['loss']:.4f}  perplexity {result['perplexity']:.3f}")

@@ -98,8 +98,7 @@ def run_regbench(archs: list[str], kernels: list[str], sizes: list[int], proto: 
                  out_dir: str | Path | None = None, save_models: bool = False,
                  model_dirs: list[str] | None = None, progress: bool = True) -> dict[str, Any]:
     """Train (or load) and score models on RegBench; returns the JSON-ready results."""
-    data = regbench.make_splits(max(sizes) if not model_dirs else 0, proto.n_val, proto.n_test,
-                                seed)
+    data = regbench.make_splits(0 if model_dirs else max(sizes), proto.n_val, proto.n_test, seed)
     results: dict[str, Any] = {"protocol": asdict(proto), "seed": seed,
                                "data_fingerprint": data.fingerprint(),
                                "baselines": regbench.baseline_scores(data.test), "runs": []}
