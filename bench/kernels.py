@@ -214,12 +214,13 @@ def plot(results: dict[tuple[str, int], dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     methods = dict.fromkeys(m for m, _ in results)
-    for m in methods:
+    colors = plt.cm.tab20.colors
+    for i, m in enumerate(methods):
         pts = sorted((T, r) for (mm, T), r in results.items() if mm == m)
         style = "--" if m.startswith("pkg:") else ("-." if m == "gaussian" else "-")
-        xs = [T for T, _ in pts]
-        axes[0].plot(xs, [r["total_s"] * 1e3 for _, r in pts], style, marker="o", label=m)
-        axes[1].plot(xs, [max(r["peak_mb"], 1e-2) for _, r in pts], style, marker="o", label=m)
+        xs, kw = [T for T, _ in pts], {"marker": "o", "label": m, "color": colors[i % 20]}
+        axes[0].plot(xs, [r["total_s"] * 1e3 for _, r in pts], style, **kw)
+        axes[1].plot(xs, [max(r["peak_mb"], 1e-2) for _, r in pts], style, **kw)
     for ax, title in zip(axes, ["forward + backward time (ms)", "peak memory (MB)"]):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
