@@ -327,6 +327,7 @@ def test_extend_equals_forward(name):
     beta = torch.tensor([2.0, 7.39, 40.0])
     kernel = get_kernel(name)
     full = kernel(keys, values, beta)
+    kernel.chunk_elements = 2 * 3 * 4  # decoding also runs in several query chunks
     # prefill 4 positions (memory 0..2), then feed the rest in uneven steps, as the model does
     state = kernel.prefill_state(kernel.init_state(2, 3, 5, keys.device, keys.dtype),
                                  keys[:, :, :3], values[:, :, :3])
