@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pmem-size", type=positive_int)
     p.add_argument("--time-budget-min", type=float, help="stop each training run after this")
     p.add_argument("--model", nargs="+", help="score saved model directories instead of training")
+    p.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
+                   help="combine results.json files of separate runs into one table and plot")
     p.add_argument("--save-models", action="store_true", help="save_pretrained each trained model")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
@@ -54,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     offline()
+    if args.merge:
+        return merge(p, args)
     check_model_dirs(p, args.model)
     if "mosaics" in args.arch and not args.model:
         check_kernels(p, args.kernel)
@@ -79,6 +83,28 @@ def main(argv: list[str] | None = None) -> None:
     print(experiments.regbench_table(results))
     if any(r["size"] is not None for r in results["runs"]):
         print(f"plot: {plots.plot_regbench(results, out / 'regbench.png')}")
+    print(f"results: {out / 'results.json'}")
+
+
+def merge(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    import json
+
+    from mosaics.evaluation import experiments, plots, taskrun
+
+    parts = []
+    for path in args.merge:
+        try:
+            parts.append(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError) as err:
+            p.error(f"--merge {path}: cannot read results ({err})")
+    try:
+        results = experiments.merge_regbench(parts)
+    except ValueError as err:
+        p.error(str(err))
+    out = Path(args.out)
+    taskrun.write_json(out / "results.json", results)
+    print(experiments.regbench_table(results))
+    print(f"plot: {plots.plot_regbench(results, out / 'regbench.png')}")
     print(f"results: {out / 'results.json'}")
 
 

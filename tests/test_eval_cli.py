@@ -140,3 +140,19 @@ def test_perplexity_rejects_windows_longer_than_gpt2_positions(regbench_run, tmp
         _cli("perplexity")([str(out / "models" / "gpt2-n16"), "--data",
                             str(tmp_path / "missing.npy"), "--no-progress"])
     assert "no such file" in capsys.readouterr().err
+
+
+def test_regbench_merge(regbench_run, tmp_path, capsys):
+    out, _ = regbench_run
+    main = _cli("regbench")
+    main(["--merge", str(out / "results.json"), str(out / "results.json"),
+          "--out", str(tmp_path / "m")])
+    merged = json.loads((tmp_path / "m" / "results.json").read_text())
+    assert len(merged["runs"]) == 8 and (tmp_path / "m" / "regbench.png").is_file()
+    other = json.loads((out / "results.json").read_text())
+    other["baselines"]["oracle"]["positions"] += 1
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit):
+        main(["--merge", str(out / "results.json"), str(tmp_path / "other.json"),
+              "--out", str(tmp_path / "bad")])
+    assert "different test sets" in capsys.readouterr().err

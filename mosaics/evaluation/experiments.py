@@ -101,6 +101,7 @@ def run_regbench(archs: list[str], kernels: list[str], sizes: list[int], proto: 
     data = regbench.make_splits(0 if model_dirs else max(sizes), proto.n_val, proto.n_test, seed)
     results: dict[str, Any] = {"protocol": asdict(proto), "seed": seed,
                                "data_fingerprint": data.fingerprint(),
+                               "test_fingerprint": heldout_fingerprint(data),
                                "baselines": regbench.baseline_scores(data.test), "runs": []}
     if model_dirs:
         for path in model_dirs:
@@ -147,6 +148,28 @@ def run_regbench(archs: list[str], kernels: list[str], sizes: list[int], proto: 
             if out_dir is not None:  # keep partial results of long sweeps
                 write_json(Path(out_dir) / "results.json", results)
     return results
+
+
+def heldout_fingerprint(data: regbench.RegBenchData) -> str:
+    """Fingerprint of the test split alone (equal for every training size)."""
+    return regbench.RegBenchData([], [], data.test).fingerprint()
+
+
+def merge_regbench(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Combine results of separate runs scored on the same test set (same seed and n_test)."""
+    if not parts:
+        raise ValueError("nothing to merge")
+    first = parts[0]
+    for other in parts[1:]:
+        same = (other.get("test_fingerprint") == first.get("test_fingerprint")
+                and other["baselines"] == first["baselines"])
+        if not same:
+            raise ValueError("these results were scored on different test sets (seed or --n-test "
+                             "differ); only runs on the same test set can be merged")
+    merged = dict(first)
+    merged["runs"] = [r for part in parts for r in part["runs"]]
+    merged["merged_from"] = len(parts)
+    return merged
 
 
 def regbench_table(results: dict[str, Any]) -> str:
