@@ -43,6 +43,15 @@ def merge_heads(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(B, T, H * hs)
 
 
+@torch.no_grad()
+def init_head_scalars(leaky_p: Tensor, bandwidth_b: Tensor, value_q: Tensor) -> None:
+    """Reference init: decays lambda_h = exp(-linspace(0.5, 5, H)), beta = e^2, scale e^-0.5."""
+    H = leaky_p.numel()
+    leaky_p.copy_(torch.linspace(0.5, 5.0, H) / EXP_SCALE)
+    bandwidth_b.fill_(1.0 / EXP_SCALE)
+    value_q.fill_(-0.5 / EXP_SCALE)
+
+
 def orthogonal_value_matrix(d: int, seed: int) -> Tensor:
     """A fixed random (d, d) orthogonal matrix; head h uses its column block h."""
     g = torch.Generator().manual_seed(seed)
@@ -77,11 +86,8 @@ class ContextualMemory(nn.Module):
 
     @torch.no_grad()
     def reset_scalars(self) -> None:
-        H = self.n_head
-        self.leaky_p.copy_(torch.linspace(0.5, 5.0, H) / EXP_SCALE)
-        self.bandwidth_b.fill_(1.0 / EXP_SCALE)
+        init_head_scalars(self.leaky_p, self.bandwidth_b, self.value_q)
         self.lookahead_c.uniform_(0.0, 1.0)
-        self.value_q.fill_(-0.5 / EXP_SCALE)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Raw key and value features W_k x, W_v x as (B, H, T, hs)."""
@@ -154,10 +160,7 @@ class PersistentMemory(nn.Module):
 
     @torch.no_grad()
     def reset_scalars(self) -> None:
-        H = self.n_head
-        self.leaky_p.copy_(torch.linspace(0.5, 5.0, H) / EXP_SCALE)
-        self.bandwidth_b.fill_(1.0 / EXP_SCALE)
-        self.value_q.fill_(-0.5 / EXP_SCALE)
+        init_head_scalars(self.leaky_p, self.bandwidth_b, self.value_q)
 
     def forward(self, x: Tensor, state: dict | None = None) -> tuple[Tensor, dict | None]:
         """x: (B, T, d); ``state`` holds the running key sum during decoding."""
