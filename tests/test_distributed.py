@@ -37,16 +37,43 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
-    """Run a launcher; on timeout kill its whole process group (no orphaned ranks)."""
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
-        pytest.fail(f"{cmd[2]} timed out after {timeout} s:\n{err[-3000:]}")
+def _kill_matching(marker: str) -> list[int]:
+    """SIGKILL every process whose command line contains ``marker`` (launchers start their
+    ranks in sessions of their own, so killing the launcher's group can miss them)."""
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if marker in cmdline:
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+            except ProcessLookupError:
+                pass
+    return killed
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float, run_dir: Path) -> tuple[int, str]:
+    """Run a launcher with its output in a file (a stray rank holding a pipe cannot block the
+    test); on timeout, or if a rank outlives its launcher, kill every process of the run."""
+    log_path = run_dir.parent / f"{run_dir.name}.launcher.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            _kill_matching(str(run_dir))
+            pytest.fail(f"{cmd[2]} timed out after {timeout} s:\n{log_path.read_text()[-3000:]}")
+    stray = _kill_matching(str(run_dir))
+    err = log_path.read_text()
+    assert not stray, f"ranks {stray} outlived their launcher:\n{err[-3000:]}"
     return proc.returncode, err
 
 
@@ -81,7 +108,7 @@ def test_two_gloo_ranks_match_one_process(single_process) -> None:
            "2", str(ROOT / "train.py"), *(f"{k}={v}" for k, v in settings.items()),
            f"run_dir={run_dir}", "batch_size=2"]
     env = dict(_env(), ACCELERATE_USE_CPU="1")
-    code, err = _run(cmd, env, timeout=300)
+    code, err = _run(cmd, env, timeout=300, run_dir=run_dir)
     assert code == 0, err[-3000:]
     assert "2 process(es), DistributedType.MULTI_CPU" in err
     _check_same(reference, _metrics(run_dir))
@@ -98,7 +125,7 @@ def test_deepspeed_zero2_matches_one_process(single_process) -> None:
            str(ROOT / "configs/deepspeed/zero2.json"), str(ROOT / "train.py"),
            *(f"{k}={v}" for k, v in settings.items()), f"run_dir={run_dir}", "batch_size=2",
            "save_final=true"]
-    code, err = _run(cmd, _env(), timeout=500)
+    code, err = _run(cmd, _env(), timeout=500, run_dir=run_dir)
     assert code == 0, err[-3000:]
     assert "2 process(es), DistributedType.DEEPSPEED" in err
     _check_same(reference, _metrics(run_dir))

@@ -364,5 +364,10 @@ def train(cfg: TrainConfig) -> TrainResult:
         print(f"done: {step} steps, train loss {train_loss}, val loss {val_loss}, "
               f"{wall:.1f} s", file=sys.stderr)
     accelerator.end_training()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # tear the group down explicitly: a rank left to the interpreter's exit can hang in
+        # the gloo destructor once its peers are gone
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return TrainResult(run_dir=run_dir, final_dir=final_dir, steps=step, train_loss=train_loss,
                        val_loss=val_loss, wall_seconds=wall, sample=sample)
