@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -57,9 +58,17 @@ def plot_extrapolation(results: dict[str, Any], path: str | Path) -> Path:
 
 def plot_loss_by_position(loss_by_position: list[float], path: str | Path,
                           title: str = "loss by position") -> Path:
-    """Mean next-token loss at each position of the window (position t predicts token t)."""
+    """Mean next-token loss at each position of the window (position t predicts token t), with
+    its average over logarithmic bins of positions (the trend a few windows leave noisy)."""
+    loss = np.asarray(loss_by_position, dtype=float)
+    pos = np.arange(1, len(loss) + 1)
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(range(1, len(loss_by_position) + 1), loss_by_position, linewidth=1)
+    ax.plot(pos, loss, linewidth=0.6, alpha=0.35, label="per position")
+    edges = np.unique(np.geomspace(1, len(loss) + 1, num=24).astype(int))
+    centers = [np.sqrt(lo * (hi - 1)) for lo, hi in zip(edges[:-1], edges[1:])]
+    means = [loss[lo - 1:hi - 1].mean() for lo, hi in zip(edges[:-1], edges[1:])]
+    ax.plot(centers, means, marker="o", linewidth=2, label="log-binned mean")
+    ax.legend()
     ax.set_xscale("log")
     ax.set_xlabel("position in window")
     ax.set_ylabel("mean loss (nats)")
