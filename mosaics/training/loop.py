@@ -8,12 +8,14 @@ Metrics go to TensorBoard (``<run_dir>/tb``) and, one JSON object per line, to
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
 import shutil
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -221,6 +223,28 @@ def _sample_text(final_dir: Path, prompt: str, max_new_tokens: int, seed: int) -
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
+def _shut_down(accelerator: Accelerator, model_ref: weakref.ref) -> None:
+    """End training and tear down the process group without a hang.
+
+    The DDP wrapper's C++ reducer holds the process group, and pybind frees it with the GIL
+    held; if the reducer drops the group's last reference, the gloo destructor joins worker
+    threads that may still be freeing a finished collective's tensors, which needs the GIL,
+    and the rank deadlocks (seen with 2 gloo ranks on a loaded machine: 4 hangs in 16 runs).
+    So the wrapped model is released first, while torch.distributed still registers the
+    group; the group then goes with ``destroy_process_group``, whose destructor releases the
+    GIL.
+    """
+    accelerator.free_memory()
+    gc.collect()
+    if model_ref() is not None:
+        print("warning: the wrapped model outlived training; process-group teardown may hang",
+              file=sys.stderr)
+    accelerator.end_training()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def train(cfg: TrainConfig) -> TrainResult:
     """Run (or resume) the pretraining described by ``cfg``."""
     started = time.time()
@@ -363,11 +387,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     if main:
         print(f"done: {step} steps, train loss {train_loss}, val loss {val_loss}, "
               f"{wall:.1f} s", file=sys.stderr)
-    accelerator.end_training()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # tear the group down explicitly: a rank left to the interpreter's exit can hang in
-        # the gloo destructor once its peers are gone
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    model_ref = weakref.ref(model)
+    model = optimizer = scheduler = None
+    _shut_down(accelerator, model_ref)
     return TrainResult(run_dir=run_dir, final_dir=final_dir, steps=step, train_loss=train_loss,
                        val_loss=val_loss, wall_seconds=wall, sample=sample)
