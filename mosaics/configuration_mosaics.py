@@ -28,6 +28,9 @@ class MosaicsConfig(PretrainedConfig):
         key_projection: ``False`` drops W_k of the contextual memory (keys = block input).
         fixed_value_projection: ``True`` replaces W_v by a fixed random orthogonal matrix
             (a saved buffer, not trained).
+        loss_chunk_size: a training forward with labels computes the loss and its gradient
+            in chunks of this many tokens without materialising the (B, T, V) logits
+            (``logits`` is then ``None``); 0 always materialises them.
     """
 
     model_type = "mosaics"
@@ -53,6 +56,7 @@ class MosaicsConfig(PretrainedConfig):
         leaky_chunk_size: int = 32,
         key_projection: bool = True,
         fixed_value_projection: bool = False,
+        loss_chunk_size: int = 1024,
         initializer_seed: int = 0,
         tie_word_embeddings: bool = True,
         use_cache: bool = True,
@@ -74,6 +78,7 @@ class MosaicsConfig(PretrainedConfig):
         self.leaky_chunk_size = leaky_chunk_size
         self.key_projection = key_projection
         self.fixed_value_projection = fixed_value_projection
+        self.loss_chunk_size = loss_chunk_size
         self.initializer_seed = initializer_seed
         self.use_cache = use_cache
         self.tie_word_embeddings = tie_word_embeddings
@@ -99,6 +104,9 @@ class MosaicsConfig(PretrainedConfig):
                 f"MosaicsConfig.n_embd ({self.n_embd}) must be divisible by n_head "
                 f"({self.n_head}); choose e.g. n_head={_nearest_divisor(self.n_embd, self.n_head)}."
             )
+        if not isinstance(self.loss_chunk_size, int) or self.loss_chunk_size < 0:
+            raise ValueError("MosaicsConfig.loss_chunk_size must be a non-negative integer "
+                             f"(0 disables the chunked loss), got {self.loss_chunk_size!r}.")
         for name in ("dropout", "attn_dropout"):
             value = getattr(self, name)
             if not 0.0 <= float(value) < 1.0:

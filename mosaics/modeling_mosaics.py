@@ -21,6 +21,7 @@ from transformers.utils import ModelOutput
 
 from .cache import MosaicsCache
 from .configuration_mosaics import MosaicsConfig
+from .fused_loss import linear_cross_entropy
 from .memory import ContextualMemory, PersistentMemory
 from .remote_code import save_model_code
 
@@ -234,14 +235,22 @@ class MosaicsForCausalLM(MosaicsPreTrainedModel, GenerationMixin):
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         # scaling the (B, T, d) input of the head is cheaper than scaling (B, T, V) logits
-        logits = self.lm_head(h * self.logit_scale)
-        loss = lm_loss = None
+        h = h * self.logit_scale
+        logits = loss = lm_loss = shift_labels = None
         if labels is not None:
             # shift the labels, not the logits: no (B, T, V) copy
-            shift_labels = F.pad(labels[:, 1:], (0, 1), value=-100).to(logits.device)
-            lm_loss = F.cross_entropy(logits.flatten(0, 1).float(), shift_labels.flatten(),
-                                      ignore_index=-100,
-                                      reduction="mean" if num_items_in_batch is None else "sum")
+            shift_labels = F.pad(labels[:, 1:], (0, 1), value=-100).to(h.device)
+        reduction = "mean" if num_items_in_batch is None else "sum"
+        if shift_labels is not None and self._chunked_loss(h, logits_to_keep):
+            lm_loss = linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight,
+                                           shift_labels.flatten(), -100, reduction,
+                                           self.config.loss_chunk_size)
+        else:
+            logits = self.lm_head(h)
+            if shift_labels is not None:
+                lm_loss = F.cross_entropy(logits.flatten(0, 1).float(), shift_labels.flatten(),
+                                          ignore_index=-100, reduction=reduction)
+        if lm_loss is not None:
             if num_items_in_batch is not None:
                 lm_loss = lm_loss / num_items_in_batch
             loss = lm_loss
@@ -255,6 +264,12 @@ class MosaicsForCausalLM(MosaicsPreTrainedModel, GenerationMixin):
                                        aux_loss=out.aux_loss)
         return result if (return_dict if return_dict is not None else self.config.return_dict) \
             else result.to_tuple()
+
+    def _chunked_loss(self, h: Tensor, logits_to_keep: int) -> bool:
+        """Training with gradients: skip the logits (DeepSpeed ZeRO-3 partitions the tied
+        weight and gathers it only around module calls, so it keeps the plain head)."""
+        return (self.config.loss_chunk_size > 0 and self.training and torch.is_grad_enabled()
+                and not logits_to_keep and not hasattr(self.lm_head.weight, "ds_id"))
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor,
                                       cache: MosaicsCache | None = None,

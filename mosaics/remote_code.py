@@ -14,7 +14,7 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 TOP_LEVEL = ["configuration_mosaics.py", "modeling_mosaics.py", "memory.py", "leaky.py",
-             "unit_norm.py", "cache.py", "remote_code.py"]
+             "unit_norm.py", "fused_loss.py", "cache.py", "remote_code.py"]
 SUBPACKAGES = ["kernels"]
 
 
