@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-embd", type=int, default=256)
-    ap.add_argument("--n-head", type=int, default=8)
+    ap.add_argument("--n-head", type=int, default=4)  # head size 64, as GPT-2 and the reference
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--kernel", default="gaussian")
     ap.add_argument("--steps", type=int, default=8)

@@ -53,7 +53,9 @@ def leaky_average(x: Tensor, a: Tensor, initial: Tensor | None = None, chunk: in
         steps = torch.arange(1, C + 1, device=x.device, dtype=x.dtype)
         ramp = torch.exp(-a.view(H, 1) * steps)  # lambda^(i+1), (H, C)
         within = within + enter.unsqueeze(3) * ramp.view(1, H, 1, C, 1)
-    out = within.reshape(B, H, n * C, D)[:, :, :T]
+    out = within.reshape(B, H, n * C, D)
+    if pad:
+        out = out[:, :, :T]  # (a no-op slice would still cost a zero-fill in the backward)
     if initial is not None:
         steps = torch.arange(1, T + 1, device=x.device, dtype=x.dtype)
         ramp = torch.exp(-a.view(H, 1) * steps)  # (H, T)

@@ -158,10 +158,18 @@ class PersistentMemory(nn.Module):
         self.c_proj = nn.Linear(d, d, bias=False)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.reset_scalars()
+        self.reset_banks()
 
     @torch.no_grad()
     def reset_scalars(self) -> None:
         init_head_scalars(self.leaky_p, self.bandwidth_b, self.value_q)
+
+    @torch.no_grad()
+    def reset_banks(self) -> None:
+        """Reference init of the slot banks: N(0, 1 / hs)."""
+        std = self.mem_keys.shape[-1] ** -0.5
+        nn.init.normal_(self.mem_keys, mean=0.0, std=std)
+        nn.init.normal_(self.mem_values, mean=0.0, std=std)
 
     def forward(self, x: Tensor, state: dict | None = None) -> tuple[Tensor, dict | None]:
         """x: (B, T, d); ``state`` holds the running key sum during decoding."""

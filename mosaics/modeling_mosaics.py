@@ -95,9 +95,7 @@ class MosaicsPreTrainedModel(PreTrainedModel):
             std = 1.0 / math.sqrt(fan_in * self.config.n_layer)
             nn.init.normal_(module.c_proj.weight, mean=0.0, std=std)
             if isinstance(module, PersistentMemory):
-                std = 1.0 / math.sqrt(module.mem_keys.shape[-1])
-                nn.init.normal_(module.mem_keys, mean=0.0, std=std)
-                nn.init.normal_(module.mem_values, mean=0.0, std=std)
+                module.reset_banks()
 
     def save_pretrained(self, save_directory, *args, **kwargs):  # noqa: ANN001
         """Save weights and config, plus this model's code for ``trust_remote_code=True``."""

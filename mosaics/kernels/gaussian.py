@@ -21,14 +21,13 @@ class GaussianKernel(Kernel):
 
     def forward(self, keys: Tensor, values: Tensor, beta: Tensor) -> Tensor:
         B, H, T, hs = keys.shape
-        out = keys.new_zeros(B, H, T, values.shape[-1])
         if T < 2:
-            return out
+            return keys.new_zeros(B, H, T, values.shape[-1])
         q = keys[:, :, 1:] * beta.view(1, H, 1, 1).to(keys.dtype)
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, keys[:, :, :-1], values[:, :, :-1],
                                            is_causal=True, scale=1.0, dropout_p=p)
-        return torch.cat([out[:, :, :1], y], dim=2)
+        return F.pad(y, (0, 0, 1, 0))  # row 0: no memory, output 0
 
     def extend(self, state: KernelState, queries: Tensor, keys: Tensor, values: Tensor,
                beta: Tensor) -> tuple[Tensor, KernelState]:
