@@ -9,8 +9,8 @@ stored gradients by the incoming one. Logits are computed in the autocast dtype 
 is on (as ``F.linear`` would) and normalised in fp32.
 
 Measured (N = 2048 rows, d 256, 2 threads, fp32, forward + backward): 98 ms against 125 ms for
-``F.cross_entropy(F.linear(h, W), y)`` at V = 4096, and the same time at V = 50304, where it
-saves ~1.2 GB of (N, V) buffers.
+``F.cross_entropy(F.linear(h, W), y)`` at V = 4096; at V = 50304 about the same time (1.23-1.43 s
+against 1.37 s over runs) while it saves three (N, V) fp32 buffers, 1.2 GB.
 """
 
 from __future__ import annotations

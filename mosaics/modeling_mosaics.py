@@ -239,7 +239,7 @@ class MosaicsForCausalLM(MosaicsPreTrainedModel, GenerationMixin):
             # shift the labels, not the logits: no (B, T, V) copy
             shift_labels = F.pad(labels[:, 1:], (0, 1), value=-100).to(h.device)
         reduction = "mean" if num_items_in_batch is None else "sum"
-        if shift_labels is not None and self._chunked_loss(h, logits_to_keep):
+        if shift_labels is not None and self._chunked_loss(logits_to_keep):
             lm_loss = linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight,
                                            shift_labels.flatten(), -100, reduction,
                                            self.config.loss_chunk_size)
@@ -263,7 +263,7 @@ class MosaicsForCausalLM(MosaicsPreTrainedModel, GenerationMixin):
         return result if (return_dict if return_dict is not None else self.config.return_dict) \
             else result.to_tuple()
 
-    def _chunked_loss(self, h: Tensor, logits_to_keep: int) -> bool:
+    def _chunked_loss(self, logits_to_keep: int) -> bool:
         """Training with gradients: skip the logits (DeepSpeed ZeRO-3 partitions the tied
         weight and gathers it only around module calls, so it keeps the plain head)."""
         return (self.config.loss_chunk_size > 0 and self.training and torch.is_grad_enabled()
