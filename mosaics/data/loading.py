@@ -28,7 +28,7 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -75,20 +75,22 @@ def _malformed(path: str, lineno: int, what: str, skip: bool) -> None:
         )
 
 
-def _gen_babistories(path: str, skip_malformed: bool) -> Iterator[dict]:
+def _gen_json_lines(path: str, skip_malformed: bool,
+                    extract: Callable[[object], tuple[str | None, str | None]],
+                    prefix: str = "") -> Iterator[dict]:
+    """``{"text": ...}`` per non-blank JSON line; ``extract(obj)`` gives ``(text, None)`` or
+    ``(None, why)``, and a bad line raises (or is skipped and counted) with ``prefix + why``."""
     skipped = 0
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                text = json.loads(line)
+                text, why = extract(json.loads(line))
             except json.JSONDecodeError as e:
-                text, err = None, f"not valid JSON ({e.msg})"
-            else:
-                err = f"expected a JSON string, got {type(text).__name__}"
-            if not isinstance(text, str):
-                _malformed(path, lineno, f"BabiStories line is {err}", skip_malformed)
+                text, why = None, f"not valid JSON ({e.msg})"
+            if text is None:
+                _malformed(path, lineno, prefix + why, skip_malformed)
                 skipped += 1
                 continue
             yield {"text": text}
@@ -96,31 +98,26 @@ def _gen_babistories(path: str, skip_malformed: bool) -> Iterator[dict]:
         log.warning("%s: skipped %d malformed line(s)", path, skipped)
 
 
+def _story_text(obj: object) -> tuple[str | None, str | None]:
+    if isinstance(obj, str):
+        return obj, None
+    return None, f"expected a JSON string, got {type(obj).__name__}"
+
+
+def _gen_babistories(path: str, skip_malformed: bool) -> Iterator[dict]:
+    return _gen_json_lines(path, skip_malformed, _story_text, prefix="BabiStories line is ")
+
+
 def _gen_jsonl(path: str, text_column: str, skip_malformed: bool) -> Iterator[dict]:
-    skipped = 0
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                _malformed(path, lineno, f"not valid JSON ({e.msg})", skip_malformed)
-                skipped += 1
-                continue
-            if not isinstance(obj, dict) or not isinstance(obj.get(text_column), str):
-                what = (
-                    f"expected a JSON object with a string field {text_column!r}"
-                    f" (got {type(obj).__name__}"
-                    + (f" with keys {sorted(obj)[:8]}" if isinstance(obj, dict) else "")
-                    + "); choose the field with text_column=/--text-column"
-                )
-                _malformed(path, lineno, what, skip_malformed)
-                skipped += 1
-                continue
-            yield {"text": obj[text_column]}
-    if skipped:
-        log.warning("%s: skipped %d malformed line(s)", path, skipped)
+    def field(obj: object) -> tuple[str | None, str | None]:
+        if isinstance(obj, dict) and isinstance(obj.get(text_column), str):
+            return obj[text_column], None
+        return None, (f"expected a JSON object with a string field {text_column!r}"
+                      f" (got {type(obj).__name__}"
+                      + (f" with keys {sorted(obj)[:8]}" if isinstance(obj, dict) else "")
+                      + "); choose the field with text_column=/--text-column")
+
+    return _gen_json_lines(path, skip_malformed, field)
 
 
 def _gen_paragraphs(path: str) -> Iterator[dict]:
