@@ -24,7 +24,8 @@ class MosaicsConfig(PretrainedConfig):
             and on the persistent-memory weights.
         kernel: name of the contextual-memory kernel in :mod:`mosaics.kernels`.
         kernel_kwargs: options passed to that kernel.
-        leaky_chunk_size: chunk length of the exact chunked leaky average.
+        leaky_chunk_size: chunk length C of the exact chunked leaky average, cost
+            O(T (C + T / C) d); 16 measured fastest for training at T = 512 on CPU.
         key_projection: ``False`` drops W_k of the contextual memory (keys = block input).
         fixed_value_projection: ``True`` replaces W_v by a fixed random orthogonal matrix
             (a saved buffer, not trained).
@@ -53,7 +54,7 @@ class MosaicsConfig(PretrainedConfig):
         attn_dropout: float = 0.0,
         kernel: str = "gaussian",
         kernel_kwargs: dict[str, Any] | None = None,
-        leaky_chunk_size: int = 32,
+        leaky_chunk_size: int = 16,
         key_projection: bool = True,
         fixed_value_projection: bool = False,
         loss_chunk_size: int = 1024,

@@ -26,7 +26,7 @@ def _decay_matrix(a: Tensor, n: int, stride: int = 1) -> Tensor:
     return d * mask
 
 
-def leaky_average(x: Tensor, a: Tensor, initial: Tensor | None = None, chunk: int = 32) -> Tensor:
+def leaky_average(x: Tensor, a: Tensor, initial: Tensor | None = None, chunk: int = 16) -> Tensor:
     """Un-normalised leaky sum along time.
 
     Args:
@@ -42,17 +42,19 @@ def leaky_average(x: Tensor, a: Tensor, initial: Tensor | None = None, chunk: in
     n = -(-T // C)
     pad = n * C - T
     xf = x if pad == 0 else torch.nn.functional.pad(x, (0, 0, 0, pad))
-    xc = xf.view(B, H, n, C, D)
+    xc = xf.reshape(B, H, n, C, D)
     a = a.to(x.dtype)
-    within = torch.einsum("hij,bhnjd->bhnid", _decay_matrix(a, C), xc)
+    # (H, 1, C, C) @ (B, H, n, C, D): batched small GEMMs, no permuted copies (an einsum here
+    # measured 1-3% slower per training step)
+    within = torch.matmul(_decay_matrix(a, C)[:, None], xc)
     if n > 1:
-        ends = within[:, :, :, -1]  # (B, H, n, D) chunk sums without carry
-        carried = torch.einsum("hmk,bhkd->bhmd", _decay_matrix(a, n, stride=C), ends)
+        # sums at chunk ends, carried across chunks: (H, n, n) @ (B, H, n, D)
+        carried = torch.matmul(_decay_matrix(a, n, stride=C), within[:, :, :, -1])
         # sum entering chunk m is the full sum at the end of chunk m-1
         enter = torch.nn.functional.pad(carried[:, :, :-1], (0, 0, 1, 0))
         steps = torch.arange(1, C + 1, device=x.device, dtype=x.dtype)
         ramp = torch.exp(-a.view(H, 1) * steps)  # lambda^(i+1), (H, C)
-        within = within + enter.unsqueeze(3) * ramp.view(1, H, 1, C, 1)
+        within = torch.addcmul(within, enter.unsqueeze(3), ramp.view(1, H, 1, C, 1))
     out = within.reshape(B, H, n * C, D)
     if pad:
         out = out[:, :, :T]  # (a no-op slice would still cost a zero-fill in the backward)
