@@ -2,8 +2,10 @@
 
 On unit vectors exp(-beta/2 ||k_t - k_s||^2) = exp(beta cos - beta), so this is the
 Nadaraya-Watson estimator with a Gaussian kernel of bandwidth 1/sqrt(beta). It runs on
-PyTorch's fused attention: queries at positions 1..T-1 against keys at 0..T-2 with
-``is_causal=True`` is exactly "s < t", with no explicit mask.
+fused causal attention: queries at positions 1..T-1 against keys at 0..T-2 with a causal
+mask is exactly "s < t". On CPU, ``causal_attention`` skips the masked half of the scores in
+blocks of ``causal_block`` queries (0 turns that off), which PyTorch's kernel does not below
+about a thousand positions.
 """
 
 from __future__ import annotations
@@ -13,11 +15,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .base import Kernel, KernelState, append_memory, extend_mask, register_kernel
+from .causal_attention import causal_attention
 
 
 @register_kernel("gaussian")
 class GaussianKernel(Kernel):
     """Softmax attention over the strict past (the reference Memory Mosaics kernel)."""
+
+    def __init__(self, causal_block: int = 128) -> None:
+        super().__init__()
+        if isinstance(causal_block, bool) or not isinstance(causal_block, int) or causal_block < 0:
+            raise ValueError(f"kernel 'gaussian': causal_block must be an integer >= 0 (0: one "
+                             f"fused call), got {causal_block!r}")
+        self.causal_block = causal_block
 
     def forward(self, keys: Tensor, values: Tensor, beta: Tensor) -> Tensor:
         B, H, T, hs = keys.shape
@@ -25,8 +35,8 @@ class GaussianKernel(Kernel):
             return keys.new_zeros(B, H, T, values.shape[-1])
         q = keys[:, :, 1:] * beta.view(1, H, 1, 1).to(keys.dtype)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, keys[:, :, :-1], values[:, :, :-1],
-                                           is_causal=True, scale=1.0, dropout_p=p)
+        y = causal_attention(q, keys[:, :, :-1], values[:, :, :-1], scale=1.0, dropout_p=p,
+                             block=self.causal_block)
         return F.pad(y, (0, 0, 1, 0))  # row 0: no memory, output 0
 
     def extend(self, state: KernelState, queries: Tensor, keys: Tensor, values: Tensor,
@@ -39,3 +49,6 @@ class GaussianKernel(Kernel):
         scores = scores.masked_fill(~mask, float("-inf"))
         weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no memory -> 0
         return (weights @ state["values"].float()).to(values.dtype), state
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}, causal_block={self.causal_block}"

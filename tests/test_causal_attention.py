@@ -1,0 +1,106 @@
+"""Blocked CPU causal attention against PyTorch's fused causal attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mosaics.kernels import causal_attention as ca
+from mosaics.kernels import get_kernel
+
+
+def _inputs(T: int, dtype=torch.float64, B: int = 2, H: int = 3, hs: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, T, hs, generator=g, dtype=dtype).requires_grad_()
+               for _ in range(3))
+    return q, k, v, torch.randn(B, H, T, hs, generator=g, dtype=dtype)
+
+
+def _fwd_bwd(fn, q, k, v, grad):
+    out = fn(q, k, v)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+    return out.detach(), dq, dk, dv
+
+
+@pytest.mark.parametrize("T,block", [(12, 4), (13, 4), (30, 7), (9, 3)])
+def test_blocked_matches_fused_causal(T, block):
+    q, k, v, grad = _inputs(T)
+    ref = _fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True,
+                                                                  scale=0.7), q, k, v, grad)
+    got = _fwd_bwd(lambda a, b, c: ca._BlockedCausal.apply(a, b, c, 0.7, block), q, k, v, grad)
+    for name, r, x in zip(("out", "dq", "dk", "dv"), ref, got):
+        torch.testing.assert_close(x, r, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_blocked_gradcheck():
+    q, k, v, _ = _inputs(10, B=1, H=2, hs=3, seed=1)
+    assert torch.autograd.gradcheck(lambda a, b, c: ca._BlockedCausal.apply(a, b, c, 1.3, 3),
+                                    (q, k, v))
+
+
+def test_blocked_on_strided_views_like_the_gaussian_kernel():
+    """Shifted slices of one tensor (queries 1..T-1, memory 0..T-2) and a transposed layout."""
+    x = torch.randn(2, 20, 3, 8, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    v = torch.randn(2, 3, 20, 8, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 3, 19, 8, dtype=torch.float64)
+
+    def run(fn):
+        out = fn(x[:, :, 1:] * 2.0, x[:, :, :-1], v[:, :, :-1])
+        return (out.detach(), *torch.autograd.grad(out, (x, v), grad))
+
+    ref = run(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, scale=1.0))
+    got = run(lambda a, b, c: ca._BlockedCausal.apply(a, b, c, 1.0, 5))
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
+
+
+def test_dispatch(monkeypatch):
+    calls = []
+    real = ca._BlockedCausal.apply
+    monkeypatch.setattr(ca._BlockedCausal, "apply",
+                        lambda *a: calls.append(a[-1]) or real(*a))
+    q, k, v, _ = _inputs(30)
+    ca.causal_attention(q, k, v, 1.0, block=8)  # 4 blocks
+    assert calls == [8]
+    ca.causal_attention(q, k, v, 1.0, block=11)  # 3 even blocks of 10
+    assert calls == [8, 10]
+    ca.causal_attention(q, k, v, 1.0, block=15)  # 2 blocks: one fused call
+    ca.causal_attention(q, k, v, 1.0, block=0)
+    ca.causal_attention(q, k, v, 1.0, block=8, max_len=30)
+    ca.causal_attention(q, k, v, 1.0, block=8, dropout_p=0.1)
+    assert calls == [8, 10]
+
+
+def test_autocast_bf16_runs_in_bf16_like_sdpa():
+    q, k, v, _ = _inputs(40, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ca.causal_attention(q, k, v, 0.5, block=8)
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    exact = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
+    torch.testing.assert_close(out.float(), exact, rtol=0.0, atol=3e-2)
+    out.float().sum().backward()
+    assert q.grad is not None and q.grad.dtype == torch.float32 and q.grad.isfinite().all()
+
+
+def test_gaussian_kernel_blocked_equals_single_call():
+    g = torch.Generator().manual_seed(3)
+    B, H, T, hs = 2, 2, 400, 16
+    keys = F.normalize(torch.randn(B, H, T, hs, generator=g), dim=-1).requires_grad_()
+    values = torch.randn(B, H, T, hs, generator=g, requires_grad=True)
+    beta = torch.tensor([3.0, 9.0])
+    grad = torch.randn(B, H, T, hs, generator=g)
+    outs = []
+    for block in (128, 0):
+        y = get_kernel("gaussian", causal_block=block)(keys, values, beta)
+        outs.append((y.detach(), *torch.autograd.grad(y, (keys, values), grad)))
+    for blocked, single in zip(*outs):
+        torch.testing.assert_close(blocked, single, rtol=1e-5, atol=1e-5)
+    assert (outs[0][0][:, :, 0] == 0).all()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "128"])
+def test_gaussian_rejects_bad_causal_block(bad):
+    with pytest.raises(ValueError, match="causal_block must be an integer >= 0"):
+        get_kernel("gaussian", causal_block=bad)
