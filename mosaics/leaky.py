@@ -26,6 +26,65 @@ def _decay_matrix(a: Tensor, n: int, stride: int = 1) -> Tensor:
     return d * mask
 
 
+def _chunked_scan(x: Tensor, a: Tensor, chunk: int, reverse: bool = False) -> Tensor:
+    """out_t = x_t + lambda out_{t-1} (or out_t = x_t + lambda out_{t+1} with ``reverse``),
+    zero outside [0, T), for (B, H, T, D) x and (H,) log-decay a of x's dtype."""
+    B, H, T, D = x.shape
+    C = max(1, min(chunk, T))
+    n = -(-T // C)
+    pad = n * C - T  # zeros past the end change neither direction inside [0, T)
+    xc = (x if pad == 0 else torch.nn.functional.pad(x, (0, 0, 0, pad))).reshape(B, H, n, C, D)
+    within_decay = _decay_matrix(a, C)
+    if reverse:
+        within_decay = within_decay.transpose(-1, -2)
+    # (H, 1, C, C) @ (B, H, n, C, D): batched small GEMMs, no permuted copies (an einsum here
+    # measured 1-3% slower per training step)
+    within = torch.matmul(within_decay[:, None], xc)
+    if n > 1:
+        # the full sums at chunk ends (starts, in reverse), carried across chunks with lambda^C
+        across = _decay_matrix(a, n, stride=C)
+        edge = within[:, :, :, 0] if reverse else within[:, :, :, -1]
+        carried = torch.matmul(across.transpose(-1, -2) if reverse else across, edge)
+        steps = torch.arange(1, C + 1, device=x.device, dtype=x.dtype)
+        if reverse:  # sum entering chunk m from the right: full sum at the start of chunk m+1
+            enter = torch.nn.functional.pad(carried[:, :, 1:], (0, 0, 0, 1))
+            steps = steps.flip(0)  # lambda^(C - i)
+        else:  # sum entering chunk m: full sum at the end of chunk m-1, times lambda^(i + 1)
+            enter = torch.nn.functional.pad(carried[:, :, :-1], (0, 0, 1, 0))
+        ramp = torch.exp(-a.view(H, 1) * steps)
+        within.addcmul_(enter.unsqueeze(3), ramp.view(1, H, 1, C, 1))
+    out = within.view(B, H, n * C, D)
+    return out[:, :, :T] if pad else out
+
+
+class _LeakyAverage(torch.autograd.Function):
+    """Chunked leaky sum with a closed-form backward.
+
+    With delta_t = dL/dx_t = g_t + lambda delta_{t+1} (the same scan run backwards) and
+    dL/dlambda = sum_t <delta_t, out_{t-1}>, the backward is one reverse scan and one dot
+    product instead of autograd through the decay matrices and their GEMMs: 2.9 against
+    3.7 ms (1 thread), 1.8 against 2.9 ms (2 threads), forward + backward at (4, 4, 512, 64).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, a: Tensor, chunk: int) -> Tensor:
+        out = _chunked_scan(x, a.to(x.dtype), chunk)
+        ctx.save_for_backward(out, a)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        out, a = ctx.saved_tensors
+        delta = _chunked_scan(g, a.to(g.dtype), ctx.chunk, reverse=True)
+        grad_a = None
+        if ctx.needs_input_grad[1]:
+            acc = torch.promote_types(g.dtype, torch.float32)
+            d_lambda = (delta[:, :, 1:] * out[:, :, :-1]).sum((0, 2, 3), dtype=acc)
+            grad_a = (-torch.exp(-a.to(acc)) * d_lambda).to(a.dtype)  # lambda = e^{-a}
+        return (delta if ctx.needs_input_grad[0] else None), grad_a, None
+
+
 def leaky_average(x: Tensor, a: Tensor, initial: Tensor | None = None, chunk: int = 16) -> Tensor:
     """Un-normalised leaky sum along time.
 
@@ -37,30 +96,11 @@ def leaky_average(x: Tensor, a: Tensor, initial: Tensor | None = None, chunk: in
     Returns:
         (B, H, T, D) with out_t = x_t + lambda * out_{t-1} (out_{-1} = initial or 0).
     """
-    B, H, T, D = x.shape
-    C = max(1, min(chunk, T))
-    n = -(-T // C)
-    pad = n * C - T
-    xf = x if pad == 0 else torch.nn.functional.pad(x, (0, 0, 0, pad))
-    xc = xf.reshape(B, H, n, C, D)
-    a = a.to(x.dtype)
-    # (H, 1, C, C) @ (B, H, n, C, D): batched small GEMMs, no permuted copies (an einsum here
-    # measured 1-3% slower per training step)
-    within = torch.matmul(_decay_matrix(a, C)[:, None], xc)
-    if n > 1:
-        # sums at chunk ends, carried across chunks: (H, n, n) @ (B, H, n, D)
-        carried = torch.matmul(_decay_matrix(a, n, stride=C), within[:, :, :, -1])
-        # sum entering chunk m is the full sum at the end of chunk m-1
-        enter = torch.nn.functional.pad(carried[:, :, :-1], (0, 0, 1, 0))
-        steps = torch.arange(1, C + 1, device=x.device, dtype=x.dtype)
-        ramp = torch.exp(-a.view(H, 1) * steps)  # lambda^(i+1), (H, C)
-        within = torch.addcmul(within, enter.unsqueeze(3), ramp.view(1, H, 1, C, 1))
-    out = within.reshape(B, H, n * C, D)
-    if pad:
-        out = out[:, :, :T]  # (a no-op slice would still cost a zero-fill in the backward)
+    out = _LeakyAverage.apply(x, a, chunk)
     if initial is not None:
+        T, H = x.shape[2], x.shape[1]
         steps = torch.arange(1, T + 1, device=x.device, dtype=x.dtype)
-        ramp = torch.exp(-a.view(H, 1) * steps)  # (H, T)
+        ramp = torch.exp(-a.to(x.dtype).view(H, 1) * steps)  # (H, T)
         out = out + initial.unsqueeze(2) * ramp.view(1, H, T, 1)
     return out
 

@@ -89,6 +89,29 @@ def test_leaky_average_equals_recursion(chunk):
                                leaky_average_reference(x, a, init))
 
 
+@pytest.mark.parametrize("chunk,T", [(1, 9), (4, 12), (5, 13), (16, 9)])
+def test_leaky_average_gradients_equal_recursion(chunk, T):
+    """The closed-form backward (reverse scan, dL/dlambda) against autograd of the loop."""
+    torch.manual_seed(4)
+    x = torch.randn(2, 3, T, 4, dtype=torch.float64, requires_grad=True)
+    a = torch.tensor([0.05, 0.7, 3.0], dtype=torch.float64, requires_grad=True)
+    init = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 3, T, 4, dtype=torch.float64)
+    for initial in (None, init):
+        fast = torch.autograd.grad(leaky_average(x, a, initial, chunk=chunk), (x, a), g)
+        slow = torch.autograd.grad(leaky_average_reference(x, a, initial), (x, a), g)
+        for f, s in zip(fast, slow):
+            torch.testing.assert_close(f, s)
+    assert torch.autograd.gradcheck(lambda x, a: leaky_average(x, a, chunk=chunk), (x, a))
+    # a strided view (a head split of a wider projection), as the memories pass it
+    wide = torch.randn(2, T, 3, 8, dtype=torch.float64, requires_grad=True)
+    view = wide[..., :4].transpose(1, 2)
+    fast = torch.autograd.grad(leaky_average(view, a, chunk=chunk), (wide, a), g)
+    slow = torch.autograd.grad(leaky_average_reference(view, a), (wide, a), g)
+    for f, s in zip(fast, slow):
+        torch.testing.assert_close(f, s)
+
+
 def test_value_lookahead_uses_next_token(tiny_config):
     """The memory entry of position s holds v_s = e^{10q} norm((1 - c) W_v x_{s+1} + c W_v x_s)."""
     torch.manual_seed(3)
