@@ -7,8 +7,12 @@ ContextualMemory (replaces self-attention), per head h, with x_t the LayerNorm'd
     y_t    = kernel({(k_s, v_s) : s < t}, query k_t, bandwidth beta_h = exp(2 min(10 b_h, 5)))
 
 The memory at t holds s <= t - 1 only: v_{t-1} already contains x_t, so s = t would leak
-x_{t+1}. PersistentMemory (replaces the MLP) queries learned banks M_k, M_v (H, P, hs) with
-its own leaky-averaged key: y_t = e^{10 q'_h} softmax(beta'_h k_t M_k^T) M_v.
+x_{t+1}. Every kernel is linear in the values, so the memory stores unit values and the scale
+e^{10 q_h} multiplies c_proj's columns of head h instead.
+
+PersistentMemory (replaces the MLP) queries learned banks M_k, M_v (H, P, hs) with its own
+leaky-averaged key: y_t = e^{10 q'_h} softmax(beta'_h k_t M_k^T) M_v, with beta'_h and
+e^{10 q'_h} applied to the (H, P, hs) banks rather than to the per-token queries and outputs.
 """
 
 from __future__ import annotations
@@ -101,11 +105,22 @@ class ContextualMemory(nn.Module):
         return split_heads(k, self.n_head), split_heads(v, self.n_head)
 
     def finish_values(self, v_raw: Tensor) -> Tensor:
-        """v_s from consecutive raw values (v~_s, v~_{s+1}): (B, H, n+1, hs) -> (B, H, n, hs)."""
+        """Unit values vbar_s / |vbar_s| from consecutive raw values (v~_s, v~_{s+1}):
+        (B, H, n+1, hs) -> (B, H, n, hs). Their scale e^{10 q_h} is applied in ``output``."""
         c = self.lookahead_c.view(1, -1, 1, 1).to(v_raw.dtype)
         vbar = torch.lerp(v_raw[:, :, 1:], v_raw[:, :, :-1], c)  # (1 - c) v~_{s+1} + c v~_s
-        scale = torch.exp(self.value_q * EXP_SCALE).view(1, -1, 1, 1).to(v_raw.dtype)
-        return scaled_unit(vbar, scale, NORM_EPS)
+        return scaled_unit(vbar, None, NORM_EPS)
+
+    def output(self, y: Tensor) -> Tensor:
+        """c_proj of the merged heads, (B, H, T, hs) -> (B, T, d), with the value scale.
+
+        A kernel's retrieval is linear in the values (y_t = sum_s w_ts v_s), so the per-head
+        scale e^{10 q_h} of every value goes on the matching c_proj columns, a d x d product,
+        instead of on the (B, H, T, hs) values.
+        """
+        hs = y.shape[-1]
+        scale = torch.exp(self.value_q * EXP_SCALE).repeat_interleave(hs).to(y.dtype)
+        return F.linear(merge_heads(y), self.c_proj.weight * scale)
 
     def forward(self, x: Tensor, state: dict | None = None) -> tuple[Tensor, dict | None]:
         """x: (B, T, d). ``state`` is this layer's decoding cache (``None`` for training)."""
@@ -130,8 +145,7 @@ class ContextualMemory(nn.Module):
             y, kstate = self.kernel.extend(state["kernel"], keys, mem_keys,
                                            self.finish_values(pending_v), beta)
             new_state = self._new_state(kbar, keys, v_raw, kstate)
-        y = self.resid_dropout(self.c_proj(merge_heads(y)))
-        return y, new_state
+        return self.resid_dropout(self.output(y)), new_state
 
     @staticmethod
     def _new_state(kbar: Tensor, keys: Tensor, v_raw: Tensor, kstate: KernelState) -> dict:
@@ -178,15 +192,16 @@ class PersistentMemory(nn.Module):
         k_raw = split_heads(self.k_proj(x), H)
         a = decay_rate(self.leaky_p, EXP_SCALE)
         kbar = leaky_average(k_raw, a, None if not state else state["kbar"], self.chunk)
-        q = scaled_unit(kbar, bandwidth(self.bandwidth_b).view(1, H, 1, 1), NORM_EPS)
+        q = scaled_unit(kbar, None, NORM_EPS)
         # The banks are shared by every token: fold the batch into the query axis, (1, H, B T, hs),
         # so the fused kernel streams each bank once (7% faster than expanding them B times).
         q = q.transpose(0, 1).reshape(1, H, B * T, d // H)
-        # the per-head output scale e^{10 q'} goes on the (H, P, hs) bank, not the (H, B T, hs)
-        # output: same product, a smaller tensor
+        # the bandwidth beta' and the output scale e^{10 q'} go on the (H, P, hs) banks, not on
+        # the (H, B T, hs) queries and outputs: same products, smaller tensors
+        keys = self.mem_keys * bandwidth(self.bandwidth_b).view(H, 1, 1)
         values = self.mem_values * torch.exp(self.value_q * EXP_SCALE).view(H, 1, 1)
-        y = F.scaled_dot_product_attention(q, self.mem_keys[None].to(q.dtype),
-                                           values[None].to(q.dtype), scale=1.0,
+        y = F.scaled_dot_product_attention(q, keys[None].to(q.dtype), values[None].to(q.dtype),
+                                           scale=1.0,
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y[0].view(H, B, T, d // H).permute(1, 2, 0, 3).reshape(B, T, d)
         y = self.resid_dropout(self.c_proj(y))
