@@ -69,20 +69,27 @@ class _BlockedCausal(torch.autograd.Function):
     def backward(ctx, d_out: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
         q, k, v, out, lse = ctx.saved_tensors
         scale, block, T = ctx.scale, ctx.block, q.shape[2]
-        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for s in range(0, T, block):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        # last block first: its diagonal and past parts cover every key once, so they are
+        # written, and the other blocks add to them (no zero fill)
+        for i, s in enumerate(reversed(range(0, T, block))):
             e = min(s + block, T)
             rows = (d_out[:, :, s:e], q[:, :, s:e])
             saved = (out[:, :, s:e], lse[:, :, s:e])
             gq, gk, gv = _BWD(*rows, k[:, :, s:e], v[:, :, s:e], *saved, 0.0, True, scale=scale)
-            dk[:, :, s:e] += gk
-            dv[:, :, s:e] += gv
+            parts = [(slice(s, e), gk, gv)]
             if s > 0:
                 pq, pk, pv = _BWD(*rows, k[:, :, :s], v[:, :, :s], *saved, 0.0, False,
                                   scale=scale)
                 gq += pq
-                dk[:, :, :s] += pk
-                dv[:, :, :s] += pv
+                parts.append((slice(0, s), pk, pv))
+            for keys, gk_part, gv_part in parts:
+                if i == 0:
+                    dk[:, :, keys] = gk_part
+                    dv[:, :, keys] = gv_part
+                else:
+                    dk[:, :, keys] += gk_part
+                    dv[:, :, keys] += gv_part
             dq[:, :, s:e] = gq
         return dq, dk, dv, None, None
 

@@ -37,7 +37,9 @@ class GaussianKernel(Kernel):
         p = self.dropout if self.training else 0.0
         y = causal_attention(q, keys[:, :, :-1], values[:, :, :-1], scale=1.0, dropout_p=p,
                              block=self.causal_block)
-        return F.pad(y, (0, 0, 1, 0))  # row 0: no memory, output 0
+        # row 0: no memory, output 0. Padded as (B, T, H, hs), the fused kernel's output layout,
+        # so merging the heads afterwards is a view instead of a copy
+        return F.pad(y.transpose(1, 2), (0, 0, 0, 0, 1, 0)).transpose(1, 2)
 
     def extend(self, state: KernelState, queries: Tensor, keys: Tensor, values: Tensor,
                beta: Tensor) -> tuple[Tensor, KernelState]:
