@@ -1,8 +1,8 @@
 """Scaled unit vectors, y = s * x / max(|x|, eps), with a hand-written backward.
 
-Both memories normalise every key and value to the unit sphere and then scale it per head
-(bandwidth for queries, e^{10 q} for values). Autograd through ``F.normalize(x) * s`` runs
-about ten passes over the tensor in the backward; the closed form
+Both memories normalise every key, query and value to the unit sphere (their per-head scales
+go on smaller tensors: the c_proj columns and the persistent banks). Autograd through
+``F.normalize(x) * s`` runs about ten passes over the tensor in the backward; the closed form
 
     u = x / |x|,   dx = s (g - u <g, u>) / |x|,   ds = sum <g, u>
 
