@@ -240,9 +240,10 @@ def test_left_padding_is_refused(tiny_config):
 
 
 @pytest.mark.parametrize("splits", [[1] * 20, [7, 1, 1, 5, 6], [3, 17]])
-def test_cached_logits_equal_full_forward(tiny_config, splits):
+@pytest.mark.parametrize("block", [128, 4])  # 4: the full forward runs blocked attention
+def test_cached_logits_equal_full_forward(tiny_config, splits, block):
     torch.manual_seed(7)
-    model = MosaicsForCausalLM(tiny_config()).eval()
+    model = MosaicsForCausalLM(tiny_config(kernel_kwargs={"causal_block": block})).eval()
     ids = torch.randint(0, 61, (3, 20))
     full = model(ids, use_cache=False).logits
     cache, parts, pos = None, [], 0
