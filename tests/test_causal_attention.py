@@ -71,6 +71,11 @@ def test_dispatch(monkeypatch):
     ca.causal_attention(q, k, v, 1.0, block=8, max_len=30)
     ca.causal_attention(q, k, v, 1.0, block=8, dropout_p=0.1)
     assert calls == [8, 10]
+    # the private CPU ops pass their self-check on this torch; if they did not, one fused call
+    assert ca.blocked_attention_available()
+    monkeypatch.setattr(ca, "blocked_attention_available", lambda: False)
+    ca.causal_attention(q, k, v, 1.0, block=8)
+    assert calls == [8, 10]
 
 
 def test_autocast_bf16_runs_in_bf16_like_sdpa():

@@ -30,6 +30,8 @@ part. On GPU the fused kernels skip masked blocks themselves.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -94,6 +96,27 @@ class _BlockedCausal(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+@functools.cache
+def blocked_attention_available() -> bool:
+    """Whether this torch's private CPU flash-attention ops behave as the blocked path needs
+    (checked once on a tiny fp64 case against the public call, forward and backward)."""
+    if _FWD is None or _BWD is None:
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 2, 9, 4, generator=g, dtype=torch.float64, requires_grad=True)
+                   for _ in range(3))
+        with torch.autocast("cpu", enabled=False):
+            fast = _BlockedCausal.apply(q, k, v, 0.5, 3)
+            ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
+            grads = torch.autograd.grad(fast.sum(), (q, k, v))
+            ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+        return all(torch.allclose(a, b, atol=1e-9) for a, b in
+                   zip((fast, *grads), (ref, *ref_grads)))
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: float = 0.0,
                      block: int = 128, max_len: int = 768) -> Tensor:
     """softmax(scale q k^T + causal mask) v for (B, H, T, hs) q, k and (B, H, T, hv) v.
@@ -104,8 +127,8 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: f
     """
     length = q.shape[2]
     n = -(-length // block) if block > 0 else 1
-    blocked = (_FWD is not None and _BWD is not None and q.device.type == "cpu"
-               and dropout_p == 0.0 and n >= 3 and length < max_len)
+    blocked = (q.device.type == "cpu" and dropout_p == 0.0 and n >= 3 and length < max_len
+               and blocked_attention_available())
     if not blocked:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                               dropout_p=dropout_p)
