@@ -57,6 +57,7 @@ def test_blocked_on_strided_views_like_the_gaussian_kernel():
 
 
 def test_dispatch(monkeypatch):
+    assert ca.blocked_attention_available()  # the private CPU ops pass their self-check here
     calls = []
     real = ca._BlockedCausal.apply
     monkeypatch.setattr(ca._BlockedCausal, "apply",
@@ -71,8 +72,7 @@ def test_dispatch(monkeypatch):
     ca.causal_attention(q, k, v, 1.0, block=8, max_len=30)
     ca.causal_attention(q, k, v, 1.0, block=8, dropout_p=0.1)
     assert calls == [8, 10]
-    # the private CPU ops pass their self-check on this torch; if they did not, one fused call
-    assert ca.blocked_attention_available()
+    # where they would not, one fused call
     monkeypatch.setattr(ca, "blocked_attention_available", lambda: False)
     ca.causal_attention(q, k, v, 1.0, block=8)
     assert calls == [8, 10]
