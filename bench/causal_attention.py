@@ -4,8 +4,8 @@ Forward + backward of softmax(q k^T / sqrt(hs) + causal mask) v on random (B, H,
 inputs, fp32 CPU. Baseline, in the same process and alternating call by call:
 ``F.scaled_dot_product_attention(..., is_causal=True)``. Printed per length: the baseline's
 best time and the blocked version's time as a ratio to it (< 1 is faster), for the default
-block rule (n = ceil(T / 128) even blocks, used from n = 3 to T = 767) and for fixed
-blocks.
+block rule (max(ceil(T / 128), 4) even blocks of at least 64 rows, below T = 768) and
+for fixed blocks.
 
     OMP_NUM_THREADS=1 python bench/causal_attention.py
     OMP_NUM_THREADS=2 python bench/causal_attention.py --lengths 511 1023 --blocks 64 128 256

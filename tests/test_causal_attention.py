@@ -63,19 +63,21 @@ def test_dispatch(monkeypatch):
     monkeypatch.setattr(ca._BlockedCausal, "apply",
                         lambda *a: calls.append(a[-1]) or real(*a))
     q, k, v, _ = _inputs(30)
-    ca.causal_attention(q, k, v, 1.0, block=8)  # 4 blocks
+    ca.causal_attention(q, k, v, 1.0, block=8)  # 4 blocks of 8 (the last one 6)
     assert calls == [8]
-    ca.causal_attention(q, k, v, 1.0, block=11)  # 3 even blocks of 10
-    assert calls == [8, 10]
-    ca.causal_attention(q, k, v, 1.0, block=15)  # 2 blocks: one fused call
+    ca.causal_attention(q, k, v, 1.0, block=6)  # 5 even blocks of 6
+    assert calls == [8, 6]
+    ca.causal_attention(q, k, v, 1.0, block=14)  # at least 4 blocks: of 8 >= 14 / 2
+    assert calls == [8, 6, 8]
+    ca.causal_attention(q, k, v, 1.0, block=17)  # blocks of 8 < 17 / 2: one fused call
     ca.causal_attention(q, k, v, 1.0, block=0)
     ca.causal_attention(q, k, v, 1.0, block=8, max_len=30)
     ca.causal_attention(q, k, v, 1.0, block=8, dropout_p=0.1)
-    assert calls == [8, 10]
+    assert calls == [8, 6, 8]
     # where they would not, one fused call
     monkeypatch.setattr(ca, "blocked_attention_available", lambda: False)
     ca.causal_attention(q, k, v, 1.0, block=8)
-    assert calls == [8, 10]
+    assert calls == [8, 6, 8]
 
 
 def test_autocast_bf16_runs_in_bf16_like_sdpa():

@@ -16,13 +16,13 @@ exact: a flash backward only needs P = exp(S - lse) and D = rowsum(dO * O) of th
 and each part yields the gradients of its own keys and values and a share of dq. Score
 entries computed: b^2 n (n + 1) / 2 instead of T^2 (n = T / b blocks), 0.625 T^2 at n = 4.
 
-Used where it pays: CPU tensors, no attention dropout, at least three blocks of up to 128
-rows, fewer than 768 positions. Forward + backward time over the stock call at
-(4, 4, T, 64), ``python bench/causal_attention.py`` (ratios vary by about 0.05 run to run):
+Used where it pays: CPU tensors, no attention dropout, fewer than 768 positions, at least
+four blocks of 64 to 128 rows. Forward + backward time over the stock call at (4, 4, T, 64),
+``python bench/causal_attention.py`` (ratios vary by about 0.05 run to run):
 
-    T            320    383    511    767
-    1 thread    0.94   0.78   0.74   0.84
-    2 threads   0.91   0.86   0.81   0.96
+    T            255    320    383    511    767
+    1 thread    0.86   0.86   0.80   0.76   0.87
+    2 threads   0.91   0.89   0.84   0.75   0.89
 
 From about a thousand positions the stock kernel's own key blocks skip most of the masked
 part. On GPU the fused kernels skip masked blocks themselves.
@@ -122,12 +122,15 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: f
     """softmax(scale q k^T + causal mask) v for (B, H, T, hs) q, k and (B, H, T, hv) v.
 
     Same result as ``F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)``.
-    On CPU without dropout, with n = ceil(T / block) >= 3 and T < max_len, it runs in n even
-    query blocks of ceil(T / n) rows (module docstring); ``block=0`` always makes one call.
+    On CPU without dropout and T < max_len it runs in n = max(ceil(T / block), 4) even query
+    blocks of b = ceil(T / n) rows when b >= block / 2 (module docstring); ``block=0`` always
+    makes one call.
     """
     length = q.shape[2]
-    n = -(-length // block) if block > 0 else 1
-    blocked = (q.device.type == "cpu" and dropout_p == 0.0 and n >= 3 and length < max_len
+    n = max(-(-length // block), 4) if block > 0 else 1
+    b = -(-length // n)
+    blocked = (block > 0 and 2 * b >= block and q.device.type == "cpu" and dropout_p == 0.0
+               and length < max_len
                and blocked_attention_available())
     if not blocked:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
@@ -136,4 +139,4 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: f
         dtype = torch.get_autocast_dtype("cpu")
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     with torch.autocast("cpu", enabled=False):
-        return _BlockedCausal.apply(q, k, v, scale, -(-length // n))
+        return _BlockedCausal.apply(q, k, v, scale, b)

@@ -4,7 +4,7 @@ On unit vectors exp(-beta/2 ||k_t - k_s||^2) = exp(beta cos - beta), so this is 
 Nadaraya-Watson estimator with a Gaussian kernel of bandwidth 1/sqrt(beta). It runs on
 fused causal attention: queries at positions 1..T-1 against keys at 0..T-2 with a causal
 mask is exactly "s < t". On CPU, ``causal_attention`` skips the masked half of the scores in
-blocks of ``causal_block`` queries (0 turns that off), which PyTorch's kernel does not below
+blocks of up to ``causal_block`` queries (0 turns that off), which PyTorch's kernel does not below
 about a thousand positions.
 """
 
