@@ -134,3 +134,50 @@ def test_deepspeed_zero2_matches_one_process(single_process) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     assert model.config.n_layer == settings["n_layer"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+def test_deepspeed_checkpoint_resumes_exactly(single_process) -> None:
+    """ZeRO-2 on 2 processes writes a checkpoint at step 6; a new run resumed from it alone
+    reproduces steps 7-12 of the uninterrupted single-process run."""
+    import shutil
+
+    from mosaics.training import checkpoint as ckpt
+
+    base, settings, reference = single_process
+    first, second = base / "zero2_ckpt", base / "zero2_resumed"
+
+    def launch(run_dir: Path, *extra: str) -> str:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "configs/accelerate/deepspeed_zero2.yaml"), "--main_process_port",
+               str(_free_port()), "--deepspeed_config_file",
+               str(ROOT / "configs/deepspeed/zero2.json"), str(ROOT / "train.py"),
+               *(f"{k}={v}" for k, v in settings.items()), f"run_dir={run_dir}", "batch_size=2",
+               *extra]
+        code, err = _run(cmd, _env(), timeout=500, run_dir=run_dir)
+        assert code == 0, err[-3000:]
+        return err
+
+    launch(first, "checkpoint_interval=6")
+    saved = ckpt.latest_checkpoint(first)
+    assert saved is not None and saved.name == "step_0000006"
+    state = json.loads((saved / "trainer_state.json").read_text())
+    assert state["deepspeed"] is True and state["world_size"] == 2
+    assert not (saved / "model.safetensors").exists()  # the engine's own files instead
+    assert len(list((saved / "deepspeed" / "state").glob("*optim_states.pt"))) == 2
+
+    shutil.copytree(saved, ckpt.checkpoint_root(second) / saved.name)
+    err = launch(second, "resume=true")
+    assert "at step 6" in err
+    resumed = _metrics(second)
+    assert {s for s, _ in resumed} == set(range(7, 13))
+    for key, value in resumed.items():
+        assert value == pytest.approx(reference[key], abs=1e-4, rel=0), key
+
+    # a DDP / single-process run refuses the DeepSpeed checkpoint with a clear message
+    from mosaics.training import train
+
+    with pytest.raises(ValueError, match="written by a DeepSpeed run"):
+        train(load_config(None, dict(settings, run_dir=str(second), batch_size=4,
+                                     resume=True)))

@@ -5,15 +5,20 @@ Layout of ``<run_dir>/checkpoints/step_XXXXXXX/``::
     model.safetensors        weights (safetensors: nothing is unpickled on load)
     optimizer.pt, scheduler.pt
                              state dicts of tensors and numbers, read with weights_only=True
+    deepspeed/state/         instead of model and optimizer under DeepSpeed: the engine's own
+                             checkpoint (ZeRO shards one file per process)
     rank_<r>.pt              RNG states of process r (torch, CUDA, numpy, python)
     rank_<r>.json            data-sampler state of process r
-    trainer_state.json       step, tokens seen, world size, config
+    trainer_state.json       step, tokens seen, world size, DeepSpeed or not, config
     COMPLETE                 written last
 
 A checkpoint is written into ``.tmp-step_XXXXXXX``, every file is fsynced, the marker is
 written, and only then is the folder renamed into place (and the parent fsynced). A folder
 without the marker is never loaded: an interrupted save leaves at most a ``.tmp-`` folder,
 which the next save removes.
+
+DeepSpeed reads its own files with ``torch.load(weights_only=False)``, which unpickles: resume
+a DeepSpeed run only from a run directory you wrote. DDP checkpoints unpickle nothing.
 """
 
 from __future__ import annotations
@@ -137,11 +142,15 @@ def save_rank_state(tmp: Path, rank: int, data_state: dict[str, Any]) -> None:
     (tmp / f"rank_{rank}.json").write_text(json.dumps(data_state))
 
 
-def save_main_state(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, trainer_state: dict[str, Any]) -> None:
-    """Main process: weights, optimizer, scheduler and trainer state."""
-    save_model(model, str(tmp / "model.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+def save_main_state(tmp: Path, model: torch.nn.Module | None,
+                    optimizer: torch.optim.Optimizer | None, scheduler: Any,
+                    trainer_state: dict[str, Any]) -> None:
+    """Main process: weights and optimizer (unless DeepSpeed wrote them: ``None``), scheduler
+    and trainer state."""
+    if model is not None:
+        save_model(model, str(tmp / "model.safetensors"))
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
 
@@ -149,8 +158,11 @@ def save_main_state(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Op
 def finalize_save(run_dir: str | os.PathLike, step: int, keep: int = 0) -> Path:
     """Main process, after every process wrote its files: fsync, marker, rename, prune."""
     tmp = tmp_dir(run_dir, step)
-    for path in tmp.iterdir():
-        _fsync_file(path)
+    for path in sorted(tmp.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if path.is_file():
+            _fsync_file(path)
+        else:
+            _fsync_dir(path)
     marker = tmp / MARKER
     marker.write_text(f"{step}\n")
     _fsync_file(marker)
@@ -166,18 +178,31 @@ def finalize_save(run_dir: str | os.PathLike, step: int, keep: int = 0) -> Path:
     return final
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Restore a complete checkpoint into ``model``/``optimizer``/``scheduler`` and this
-    process's RNG. Returns (trainer state, this rank's data-sampler state)."""
+def _read_states(path: Path, rank: int, deepspeed: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Trainer state and this rank's sampler state, after checking the checkpoint fits."""
     if not is_complete(path):
         raise ValueError(f"{path} has no {MARKER} marker: it is incomplete and cannot be loaded.")
     trainer_state = json.loads((path / "trainer_state.json").read_text())
+    written_by_ds = bool(trainer_state.get("deepspeed", False))
+    if written_by_ds != deepspeed:
+        writer, reader = (("DeepSpeed", "DDP or one process") if written_by_ds
+                          else ("DDP or one process", "DeepSpeed"))
+        raise ValueError(f"{path} was written by a {writer} run and cannot be resumed under "
+                         f"{reader} (the optimizer state is laid out differently); resume with "
+                         f"the launcher that wrote it, or start a fresh run.")
     rank_json = path / f"rank_{rank}.json"
     if not rank_json.is_file():
         raise ValueError(
             f"{path} was written by {trainer_state.get('world_size')} process(es) and has no "
             f"state for process {rank}: resume with the same number of processes.")
+    return trainer_state, json.loads(rank_json.read_text())
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Any, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restore a complete checkpoint into ``model``/``optimizer``/``scheduler`` and this
+    process's RNG. Returns (trainer state, this rank's data-sampler state)."""
+    trainer_state, data_state = _read_states(path, rank, deepspeed=False)
     missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
     if unexpected or missing:
         raise ValueError(f"{path}/model.safetensors does not match the model: missing "
@@ -185,4 +210,30 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     set_rng_state(torch.load(path / f"rank_{rank}.pt", weights_only=True))
-    return trainer_state, json.loads(rank_json.read_text())
+    return trainer_state, data_state
+
+
+DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "state"
+
+
+def save_deepspeed_state(tmp: Path, engine: Any) -> None:
+    """Every process (a collective): the DeepSpeed engine's weights and optimizer shards."""
+    engine.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, save_latest=False)
+
+
+def load_deepspeed_checkpoint(path: Path, engine: Any, scheduler: Any, rank: int,
+                              world_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every process (a collective): restore a DeepSpeed checkpoint into the prepared engine,
+    ``scheduler`` and this process's RNG. Returns (trainer state, data-sampler state)."""
+    trainer_state, data_state = _read_states(path, rank, deepspeed=True)
+    if trainer_state["world_size"] != world_size:  # ZeRO shards per process
+        raise ValueError(f"{path} was written by {trainer_state['world_size']} processes; "
+                         f"resume with the same number (now {world_size}).")
+    loaded, _ = engine.load_checkpoint(str(path / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
+                                       load_optimizer_states=True,
+                                       load_lr_scheduler_states=False)
+    if loaded is None:
+        raise ValueError(f"DeepSpeed could not load {path / DEEPSPEED_DIR / DEEPSPEED_TAG}.")
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    set_rng_state(torch.load(path / f"rank_{rank}.pt", weights_only=True))
+    return trainer_state, data_state

@@ -178,10 +178,15 @@ def save_checkpoint(accelerator: Accelerator, cfg: TrainConfig, model: torch.nn.
     tmp = ckpt.tmp_dir(run_dir, step)
     sampler.set_step(step * accelerator.gradient_accumulation_steps)
     ckpt.save_rank_state(tmp, accelerator.process_index, sampler.state_dict())
+    is_ds = accelerator.distributed_type == DistributedType.DEEPSPEED
+    if is_ds:  # weights and the ZeRO optimizer shards, one file per process
+        ckpt.save_deepspeed_state(tmp, model)
     if accelerator.is_main_process:
         state = {"step": step, "tokens_seen": tokens_seen,
-                 "world_size": accelerator.num_processes, "config": cfg.to_dict()}
-        ckpt.save_main_state(tmp, accelerator.unwrap_model(model), optimizer, scheduler, state)
+                 "world_size": accelerator.num_processes, "deepspeed": is_ds,
+                 "config": cfg.to_dict()}
+        ckpt.save_main_state(tmp, None if is_ds else accelerator.unwrap_model(model),
+                             None if is_ds else optimizer, scheduler, state)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         ckpt.finalize_save(run_dir, step, keep=cfg.keep_checkpoints)
@@ -256,9 +261,6 @@ def train(cfg: TrainConfig) -> TrainResult:
     if cfg.resume and resume_from is None and main:
         print(f"resume: no complete checkpoint in {run_dir}/checkpoints, starting fresh",
               file=sys.stderr)
-    if resume_from is not None and is_ds:
-        raise ValueError("Resuming under DeepSpeed is not supported (ZeRO shards the optimizer "
-                         "state); resume with DDP or start a fresh run.")
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
@@ -280,25 +282,30 @@ def train(cfg: TrainConfig) -> TrainResult:
                                 cfg.adam_eps)
     scheduler = build_scheduler(optimizer, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
     start_step, tokens_seen = 0, 0
-    if resume_from is not None:
+
+    def resumed(state: dict, data_state: dict) -> tuple[int, int]:
+        sampler.load_state_dict(data_state)  # checks seed, sizes and stream length match
+        step = state["step"]
+        if sampler.step != step * cfg.accumulation_steps(accelerator.num_processes):
+            raise ValueError(f"{resume_from}: the sampler position does not match step "
+                             f"{step}; resume with the same gradient accumulation.")
+        if main:
+            print(f"resumed from {resume_from} at step {step}", file=sys.stderr)
+        return step, state["tokens_seen"]
+
+    if resume_from is not None and not is_ds:
         state, data_state = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler,
                                                  accelerator.process_index)
         if state["world_size"] != accelerator.num_processes:
             raise ValueError(f"{resume_from} was written by {state['world_size']} processes; "
                              f"resume with the same number (now {accelerator.num_processes}).")
-        sampler.load_state_dict(data_state)  # checks seed, sizes and stream length match
-        start_step, tokens_seen = state["step"], state["tokens_seen"]
-        if sampler.step != start_step * cfg.accumulation_steps(accelerator.num_processes):
-            raise ValueError(f"{resume_from}: the sampler position does not match step "
-                             f"{start_step}; resume with the same gradient accumulation.")
-        if main:
-            print(f"resumed from {resume_from} at step {start_step}", file=sys.stderr)
+        start_step, tokens_seen = resumed(state, data_state)
     if is_ds:
         _configure_deepspeed(accelerator, cfg)
-        if cfg.checkpoint_interval and main:
-            print("DeepSpeed: periodic checkpoints are disabled (resume needs DDP)",
-                  file=sys.stderr)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if resume_from is not None and is_ds:  # the engine restores into its own partitions
+        start_step, tokens_seen = resumed(*ckpt.load_deepspeed_checkpoint(
+            resume_from, model, scheduler, accelerator.process_index, accelerator.num_processes))
     model.train()
 
     accum = accelerator.gradient_accumulation_steps
@@ -366,7 +373,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                 bar.write(f"step {step}: val loss {val_loss:.4f}")
             window_start = time.time()
         if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 \
-                and step < cfg.max_steps and not is_ds:
+                and step < cfg.max_steps:
             save_checkpoint(accelerator, cfg, model, optimizer, scheduler, sampler, step,
                             tokens_seen)
             window_start = time.time()
