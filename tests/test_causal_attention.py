@@ -80,6 +80,21 @@ def test_dispatch(monkeypatch):
     assert calls == [8, 6, 8]
 
 
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_self_check_passes_when_first_called_without_grad(context):
+    """Generation may be the first caller; the cached check must not record a failure."""
+    ca.blocked_attention_available.cache_clear()
+    try:
+        with context():
+            assert ca.blocked_attention_available()
+            q, k, v, _ = _inputs(30)
+            out = ca.causal_attention(q.detach(), k.detach(), v.detach(), 1.0, block=8)
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
+        torch.testing.assert_close(out, ref.detach(), rtol=1e-10, atol=1e-10)
+    finally:
+        ca.blocked_attention_available.cache_clear()
+
+
 def test_autocast_bf16_runs_in_bf16_like_sdpa():
     q, k, v, _ = _inputs(40, dtype=torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -104,9 +104,12 @@ def blocked_attention_available() -> bool:
         return False
     try:
         g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(1, 2, 9, 4, generator=g, dtype=torch.float64, requires_grad=True)
-                   for _ in range(3))
-        with torch.autocast("cpu", enabled=False):
+        with torch.inference_mode(False):
+            q, k, v = (torch.randn(1, 2, 9, 4, generator=g, dtype=torch.float64,
+                                   requires_grad=True) for _ in range(3))
+        # the first call may come from generation (no_grad or inference_mode): check anyway
+        with torch.inference_mode(False), torch.enable_grad(), \
+                torch.autocast("cpu", enabled=False):
             fast = _BlockedCausal.apply(q, k, v, 0.5, 3)
             ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
             grads = torch.autograd.grad(fast.sum(), (q, k, v))
@@ -130,7 +133,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: f
     n = max(-(-length // block), 4) if block > 0 else 1
     b = -(-length // n)
     blocked = (block > 0 and 2 * b >= block and q.device.type == "cpu" and dropout_p == 0.0
-               and length < max_len
+               and length < max_len and k.shape[2] == length
                and blocked_attention_available())
     if not blocked:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
