@@ -179,6 +179,11 @@ def test_checkpoint_roundtrip_restores_weights_optimizer_and_rng(tmp_path: Path)
     assert other_sched.get_last_lr() == sched.get_last_lr()
     a, b = opt.state_dict()["state"], other_opt.state_dict()["state"]
     assert all(torch.equal(a[i]["exp_avg_sq"], b[i]["exp_avg_sq"]) for i in a)
+    path = ckpt.latest_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="written by 1 processes; resume with the same number"):
+        ckpt.load_checkpoint(path, other, other_opt, other_sched, 0, world_size=2)
+    with pytest.raises(ValueError, match="written by a DDP or one process run"):
+        ckpt.load_deepspeed_checkpoint(path, None, other_sched, 0, world_size=1)
 
 
 # --- end to end ---------------------------------------------------------------------------------

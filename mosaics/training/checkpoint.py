@@ -178,8 +178,10 @@ def finalize_save(run_dir: str | os.PathLike, step: int, keep: int = 0) -> Path:
     return final
 
 
-def _read_states(path: Path, rank: int, deepspeed: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Trainer state and this rank's sampler state, after checking the checkpoint fits."""
+def _read_states(path: Path, rank: int, world_size: int | None,
+                 deepspeed: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Trainer state and this rank's sampler state, after checking the checkpoint fits
+    (``world_size=None`` skips the process-count check)."""
     if not is_complete(path):
         raise ValueError(f"{path} has no {MARKER} marker: it is incomplete and cannot be loaded.")
     trainer_state = json.loads((path / "trainer_state.json").read_text())
@@ -190,6 +192,10 @@ def _read_states(path: Path, rank: int, deepspeed: bool) -> tuple[dict[str, Any]
         raise ValueError(f"{path} was written by a {writer} run and cannot be resumed under "
                          f"{reader} (the optimizer state is laid out differently); resume with "
                          f"the launcher that wrote it, or start a fresh run.")
+    written = trainer_state.get("world_size")
+    if world_size is not None and written != world_size:
+        raise ValueError(f"{path} was written by {written} processes; resume with the same "
+                         f"number (now {world_size}).")
     rank_json = path / f"rank_{rank}.json"
     if not rank_json.is_file():
         raise ValueError(
@@ -199,10 +205,11 @@ def _read_states(path: Path, rank: int, deepspeed: bool) -> tuple[dict[str, Any]
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
+                    scheduler: Any, rank: int,
+                    world_size: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Restore a complete checkpoint into ``model``/``optimizer``/``scheduler`` and this
     process's RNG. Returns (trainer state, this rank's data-sampler state)."""
-    trainer_state, data_state = _read_states(path, rank, deepspeed=False)
+    trainer_state, data_state = _read_states(path, rank, world_size, deepspeed=False)
     missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
     if unexpected or missing:
         raise ValueError(f"{path}/model.safetensors does not match the model: missing "
@@ -225,10 +232,7 @@ def load_deepspeed_checkpoint(path: Path, engine: Any, scheduler: Any, rank: int
                               world_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every process (a collective): restore a DeepSpeed checkpoint into the prepared engine,
     ``scheduler`` and this process's RNG. Returns (trainer state, data-sampler state)."""
-    trainer_state, data_state = _read_states(path, rank, deepspeed=True)
-    if trainer_state["world_size"] != world_size:  # ZeRO shards per process
-        raise ValueError(f"{path} was written by {trainer_state['world_size']} processes; "
-                         f"resume with the same number (now {world_size}).")
+    trainer_state, data_state = _read_states(path, rank, world_size, deepspeed=True)
     loaded, _ = engine.load_checkpoint(str(path / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
                                        load_optimizer_states=True,
                                        load_lr_scheduler_states=False)

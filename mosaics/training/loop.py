@@ -294,12 +294,9 @@ def train(cfg: TrainConfig) -> TrainResult:
         return step, state["tokens_seen"]
 
     if resume_from is not None and not is_ds:
-        state, data_state = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler,
-                                                 accelerator.process_index)
-        if state["world_size"] != accelerator.num_processes:
-            raise ValueError(f"{resume_from} was written by {state['world_size']} processes; "
-                             f"resume with the same number (now {accelerator.num_processes}).")
-        start_step, tokens_seen = resumed(state, data_state)
+        start_step, tokens_seen = resumed(*ckpt.load_checkpoint(
+            resume_from, model, optimizer, scheduler, accelerator.process_index,
+            accelerator.num_processes))
     if is_ds:
         _configure_deepspeed(accelerator, cfg)
     model, optimizer = accelerator.prepare(model, optimizer)
