@@ -23,7 +23,8 @@ def _map_tensors(obj: Any, fn) -> Any:
 
 
 class MosaicsCache:
-    """Decoding cache passed to and returned by ``MosaicsForCausalLM.forward`` (``cache=``)."""
+    """Decoding cache passed to and returned by ``MosaicsForCausalLM.forward`` as ``cache``
+    (the name transformers' ``generate`` uses; ``past_key_values`` is accepted too)."""
 
     is_compileable = False
 

@@ -3,13 +3,36 @@
 The reference builds a T x T decay matrix on every call (O(T^2 d)). Here a sequence is cut
 into chunks of C positions: inside a chunk a C x C decay matrix does the work, and the sums
 at chunk ends are carried across chunks by a second, (T/C) x (T/C), leaky average with decay
-lambda^C. Cost O(T (C + T/C) d) with no Python loop over time.
+lambda^C. Cost O(T (C + T/C) d) with no Python loop over time. The chunking helpers below
+are shared with FSKA's chunked linear attention.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+
+def chunk_grid(T: int, chunk: int) -> tuple[int, int]:
+    """(C, n): chunk length C = clamp(chunk, 1, T) and n = ceil(T / C) chunks."""
+    C = max(1, min(chunk, T))
+    return C, -(-T // C)
+
+
+def split_chunks(x: Tensor, C: int, n: int, value: float = 0.0) -> Tensor:
+    """(B, H, T, D) -> (B, H, n, C, D), the n C - T positions past T filled with ``value``."""
+    B, H, T, D = x.shape
+    if n * C > T:
+        x = F.pad(x, (0, 0, 0, n * C - T), value=value)
+    return x.reshape(B, H, n, C, D)
+
+
+def merge_chunks(x: Tensor, T: int) -> Tensor:
+    """(B, H, n, C, D) -> (B, H, T, D), dropping the padding of :func:`split_chunks`."""
+    B, H, n, C, D = x.shape
+    out = x.reshape(B, H, n * C, D)
+    return out[:, :, :T] if n * C > T else out
 
 
 def decay_rate(p: Tensor, scale: float = 10.0) -> Tensor:
@@ -29,11 +52,9 @@ def _decay_matrix(a: Tensor, n: int, stride: int = 1) -> Tensor:
 def _chunked_scan(x: Tensor, a: Tensor, chunk: int, reverse: bool = False) -> Tensor:
     """out_t = x_t + lambda out_{t-1} (or out_t = x_t + lambda out_{t+1} with ``reverse``),
     zero outside [0, T), for (B, H, T, D) x and (H,) log-decay a of x's dtype."""
-    B, H, T, D = x.shape
-    C = max(1, min(chunk, T))
-    n = -(-T // C)
-    pad = n * C - T  # zeros past the end change neither direction inside [0, T)
-    xc = (x if pad == 0 else torch.nn.functional.pad(x, (0, 0, 0, pad))).reshape(B, H, n, C, D)
+    H, T = x.shape[1], x.shape[2]
+    C, n = chunk_grid(T, chunk)
+    xc = split_chunks(x, C, n)  # zeros past the end change neither direction inside [0, T)
     within_decay = _decay_matrix(a, C)
     if reverse:
         within_decay = within_decay.transpose(-1, -2)
@@ -47,14 +68,13 @@ def _chunked_scan(x: Tensor, a: Tensor, chunk: int, reverse: bool = False) -> Te
         carried = torch.matmul(across.transpose(-1, -2) if reverse else across, edge)
         steps = torch.arange(1, C + 1, device=x.device, dtype=x.dtype)
         if reverse:  # sum entering chunk m from the right: full sum at the start of chunk m+1
-            enter = torch.nn.functional.pad(carried[:, :, 1:], (0, 0, 0, 1))
+            enter = F.pad(carried[:, :, 1:], (0, 0, 0, 1))
             steps = steps.flip(0)  # lambda^(C - i)
         else:  # sum entering chunk m: full sum at the end of chunk m-1, times lambda^(i + 1)
-            enter = torch.nn.functional.pad(carried[:, :, :-1], (0, 0, 1, 0))
+            enter = F.pad(carried[:, :, :-1], (0, 0, 1, 0))
         ramp = torch.exp(-a.view(H, 1) * steps)
         within.addcmul_(enter.unsqueeze(3), ramp.view(1, H, 1, C, 1))
-    out = within.view(B, H, n * C, D)
-    return out[:, :, :T] if pad else out
+    return merge_chunks(within, T)
 
 
 class _LeakyAverage(torch.autograd.Function):

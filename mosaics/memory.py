@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from .configuration_mosaics import MosaicsConfig
 from .kernels import Kernel, KernelState, get_kernel
 from .leaky import decay_rate, leaky_average
-from .unit_norm import scaled_unit
+from .unit_norm import unit_vectors
 
 EXP_SCALE = 10.0  # per-head scalars are stored divided by this (the reference's exp_param_scale)
 BETA_LOG_CAP = 5.0  # beta = exp(2 * min(10 b, 5)) <= e^10
@@ -109,7 +109,7 @@ class ContextualMemory(nn.Module):
         (B, H, n+1, hs) -> (B, H, n, hs). Their scale e^{10 q_h} is applied in ``output``."""
         c = self.lookahead_c.view(1, -1, 1, 1).to(v_raw.dtype)
         vbar = torch.lerp(v_raw[:, :, 1:], v_raw[:, :, :-1], c)  # (1 - c) v~_{s+1} + c v~_s
-        return scaled_unit(vbar, None, NORM_EPS)
+        return unit_vectors(vbar, NORM_EPS)
 
     def output(self, y: Tensor) -> Tensor:
         """c_proj of the merged heads, (B, H, T, hs) -> (B, T, d), with the value scale.
@@ -128,7 +128,7 @@ class ContextualMemory(nn.Module):
         a = decay_rate(self.leaky_p, EXP_SCALE)
         beta = bandwidth(self.bandwidth_b)
         kbar = leaky_average(k_raw, a, None if not state else state["kbar"], self.chunk)
-        keys = scaled_unit(kbar, None, NORM_EPS)
+        keys = unit_vectors(kbar, NORM_EPS)
         if not state:
             # full sequence: v~_T := 0 past the end (v_{T-1} is never retrieved in-window)
             values = self.finish_values(F.pad(v_raw, (0, 0, 0, 1)))
@@ -192,7 +192,7 @@ class PersistentMemory(nn.Module):
         k_raw = split_heads(self.k_proj(x), H)
         a = decay_rate(self.leaky_p, EXP_SCALE)
         kbar = leaky_average(k_raw, a, None if not state else state["kbar"], self.chunk)
-        q = scaled_unit(kbar, None, NORM_EPS)
+        q = unit_vectors(kbar, NORM_EPS)
         # The banks are shared by every token: fold the batch into the query axis, (1, H, B T, hs),
         # so the fused kernel streams each bank once (7% faster than expanding them B times).
         q = q.transpose(0, 1).reshape(1, H, B * T, d // H)

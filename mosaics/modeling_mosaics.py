@@ -26,9 +26,18 @@ from .memory import ContextualMemory, PersistentMemory
 from .remote_code import save_model_code
 
 
+class _CacheAlias:
+    """``past_key_values``: the decoding cache under its older transformers name."""
+
+    @property
+    def past_key_values(self) -> MosaicsCache | None:
+        return self.cache
+
+
 @dataclass
-class MosaicsModelOutput(ModelOutput):
-    """Backbone output. ``aux_loss``: mean kernel regularizer over layers (e.g. FSKA's KL)."""
+class MosaicsModelOutput(_CacheAlias, ModelOutput):
+    """Backbone output. ``cache`` (alias ``past_key_values``): the decoding state when
+    ``use_cache``; ``aux_loss``: mean kernel regularizer over layers (e.g. FSKA's KL)."""
 
     last_hidden_state: Tensor | None = None
     cache: MosaicsCache | None = None
@@ -37,8 +46,9 @@ class MosaicsModelOutput(ModelOutput):
 
 
 @dataclass
-class MosaicsCausalLMOutput(ModelOutput):
-    """LM output. ``loss = lm_loss + regularization_weight * aux_loss`` when labels are given."""
+class MosaicsCausalLMOutput(_CacheAlias, ModelOutput):
+    """LM output. ``loss = lm_loss + regularization_weight * aux_loss`` when labels are given;
+    ``cache`` (alias ``past_key_values``) as in :class:`MosaicsModelOutput`."""
 
     loss: Tensor | None = None
     logits: Tensor | None = None
@@ -46,6 +56,16 @@ class MosaicsCausalLMOutput(ModelOutput):
     hidden_states: tuple[Tensor, ...] | None = None
     lm_loss: Tensor | None = None
     aux_loss: Tensor | None = None
+
+
+def _one_cache(cache: MosaicsCache | None,
+               past_key_values: MosaicsCache | None) -> MosaicsCache | None:
+    """The decoding cache, given as ``cache`` (the transformers >= 5.2x name, used by its
+    ``generate``) or as ``past_key_values`` (the older name)."""
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("got two different decoding caches (cache= and past_key_values=); "
+                         "pass one")
+    return past_key_values if cache is None else cache
 
 
 class MosaicsBlock(GradientCheckpointingLayer):
@@ -147,8 +167,11 @@ class MosaicsModel(MosaicsPreTrainedModel):
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        past_key_values: MosaicsCache | None = None,
         **kwargs,
     ) -> MosaicsModelOutput | tuple:
+        """Backbone forward; ``cache`` (or ``past_key_values``) continues a decoding state."""
+        cache = _one_cache(cache, past_key_values)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         _check_attention_mask(attention_mask)
@@ -223,11 +246,14 @@ class MosaicsForCausalLM(MosaicsPreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         logits_to_keep: int = 0,
         num_items_in_batch: int | Tensor | None = None,
+        past_key_values: MosaicsCache | None = None,
         **kwargs,
     ) -> MosaicsCausalLMOutput | tuple:
-        """Causal LM forward. ``labels`` are the input ids (shifted inside); -100 is ignored."""
+        """Causal LM forward. ``labels`` are the input ids (shifted inside); -100 is ignored.
+        ``cache`` (or ``past_key_values``) continues a decoding state; ``use_cache`` returns it."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                         inputs_embeds=inputs_embeds, cache=cache, use_cache=use_cache,
+                         inputs_embeds=inputs_embeds, cache=_one_cache(cache, past_key_values),
+                         use_cache=use_cache,
                          output_hidden_states=output_hidden_states, return_dict=True)
         h = out.last_hidden_state
         if logits_to_keep:
@@ -273,8 +299,12 @@ class MosaicsForCausalLM(MosaicsPreTrainedModel, GenerationMixin):
                                       cache: MosaicsCache | None = None,
                                       attention_mask: Tensor | None = None,
                                       inputs_embeds: Tensor | None = None,
-                                      use_cache: bool | None = None, **kwargs) -> dict:
-        """Feed only the tokens the cache has not absorbed yet."""
+                                      use_cache: bool | None = None,
+                                      past_key_values: MosaicsCache | None = None,
+                                      **kwargs) -> dict:
+        """Feed only the tokens the cache has not absorbed yet (``generate`` passes the cache
+        as ``cache``, or as ``past_key_values`` in older transformers)."""
+        cache = _one_cache(cache, past_key_values)
         inputs: dict = {"cache": cache, "use_cache": use_cache, "attention_mask": attention_mask}
         seen = cache.get_seq_length() if cache is not None else 0
         if inputs_embeds is not None and seen == 0:

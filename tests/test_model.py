@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from mosaics import MosaicsConfig, MosaicsForCausalLM, MosaicsModel, available_kernels
+from mosaics.cache import MosaicsCache
 from mosaics.leaky import leaky_average, leaky_average_reference
 from mosaics.memory import ContextualMemory, PersistentMemory
 
@@ -284,6 +285,42 @@ def test_generate_cached_equals_uncached(tiny_config):
     s2 = model.generate(prompt, max_new_tokens=8, do_sample=True, num_return_sequences=2,
                         use_cache=False)
     assert s1.shape == (4, 14) and torch.equal(s1, s2)
+
+
+def test_generate_feeds_one_token_per_step_through_the_cache(tiny_config):
+    """transformers' generate hands the model's own cache back (as ``cache``): after the
+    prompt, every forward sees one new token and the same MosaicsCache."""
+    model = MosaicsForCausalLM(tiny_config(eos_token_id=None)).eval()
+    calls = []
+
+    def record(module, args, kwargs, output):
+        calls.append((kwargs["input_ids"].shape[1], kwargs.get("cache"), output.cache))
+
+    handle = model.register_forward_hook(record, with_kwargs=True)
+    try:
+        model.generate(torch.randint(0, 61, (2, 5)), max_new_tokens=4, do_sample=False)
+    finally:
+        handle.remove()
+    assert [n for n, _, _ in calls] == [5, 1, 1, 1]
+    assert calls[0][1] is None and all(c is calls[0][2] for _, c, _ in calls[1:])
+    assert isinstance(calls[0][2], MosaicsCache) and calls[-1][2].get_seq_length() == 8
+
+
+def test_past_key_values_is_an_alias_of_cache(tiny_config):
+    torch.manual_seed(15)
+    model = MosaicsForCausalLM(tiny_config()).eval()
+    ids = torch.randint(0, 61, (2, 9))
+    full = model(ids).logits
+    out = model(ids[:, :5], use_cache=True)
+    assert out.past_key_values is out.cache and out["past_key_values"] is out.cache
+    step = model(ids[:, 5:], past_key_values=out.past_key_values)
+    torch.testing.assert_close(torch.cat([out.logits, step.logits], 1), full)
+    assert step.cache is out.cache and step.cache.get_seq_length() == 9
+    for m in (model, model.model):
+        with pytest.raises(ValueError, match="two different decoding caches"):
+            m(ids[:, :1], cache=step.cache, past_key_values=MosaicsCache(2))
+    inputs = model.prepare_inputs_for_generation(ids, past_key_values=step.cache, use_cache=True)
+    assert inputs["cache"] is step.cache and inputs["input_ids"].shape[1] == 0
 
 
 def test_greedy_generation_is_argmax_of_full_forward(tiny_config):

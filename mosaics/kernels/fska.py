@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from ..leaky import chunk_grid, merge_chunks, split_chunks
 from .base import Kernel, KernelState, extend_mask, register_kernel
 from .spectral_flow import (
     SpectralFlow,
@@ -52,17 +53,9 @@ def causal_linear_attention(q_feat: Tensor, k_feat: Tensor, values: Tensor, chun
     per-chunk sums k^T v (B, H, T/C, F, D) are turned into exclusive prefix sums. Cost
     O(T (C + D) F); nothing of size T x F x D is formed.
     """
-    B, H, T, Fd = q_feat.shape
-    D = values.shape[-1]
-    C = max(1, min(chunk, T))
-    n = -(-T // C)
-    pad = n * C - T
-    if pad:
-        q_feat, k_feat, values = (torch.nn.functional.pad(x, (0, 0, 0, pad))
-                                  for x in (q_feat, k_feat, values))
-    q = q_feat.view(B, H, n, C, Fd)
-    k = k_feat.view(B, H, n, C, Fd)
-    v = values.view(B, H, n, C, D)
+    T = q_feat.shape[2]
+    C, n = chunk_grid(T, chunk)
+    q, k, v = (split_chunks(x, C, n) for x in (q_feat, k_feat, values))
     mask = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
     scores = (q @ k.transpose(-1, -2)).masked_fill(~mask, 0.0)  # (B, H, n, C, C), s < t
     num = scores @ v
@@ -74,8 +67,7 @@ def causal_linear_attention(q_feat: Tensor, k_feat: Tensor, values: Tensor, chun
         prev_z = torch.nn.functional.pad(chunk_z[:, :, :-1].cumsum(2), (0, 0, 1, 0))
         num = num + q @ prev_s
         den = den + (q @ prev_z.unsqueeze(-1)).squeeze(-1)
-    y = num / (den.unsqueeze(-1) + eps)
-    return y.reshape(B, H, n * C, D)[:, :, :T]
+    return merge_chunks(num / (den.unsqueeze(-1) + eps), T)
 
 
 NO_MEMORY = -1e30  # log-scale of an empty memory (finite, so differences stay defined)
@@ -124,17 +116,10 @@ def stable_causal_linear_attention(feat: Tensor, log_feat: Tensor, values: Tenso
     pairs in the same chunk can be dropped at very large bandwidths. No future position enters
     any row's arithmetic.
     """
-    B, H, T, Fd = feat.shape
-    D = values.shape[-1]
-    C = max(1, min(chunk, T))
-    n = -(-T // C)
-    pad = n * C - T
-    if pad:
-        feat, values = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (feat, values))
-        log_feat = torch.nn.functional.pad(log_feat, (0, 0, 0, pad), value=NO_MEMORY)
-    f = feat.view(B, H, n, C, Fd)
-    L = log_feat.view(B, H, n, C, Fd)
-    v = values.view(B, H, n, C, D)
+    T = feat.shape[2]
+    C, n = chunk_grid(T, chunk)
+    f, v = split_chunks(feat, C, n), split_chunks(values, C, n)
+    L = split_chunks(log_feat, C, n, value=NO_MEMORY)
     gam = L.detach().amax(-1)  # (B, H, n, C)
     # per-feature prefix state of the chunks before c, relative to r[c]
     cmax = L.detach().amax(3)  # (B, H, n, F)
@@ -162,8 +147,7 @@ def stable_causal_linear_attention(feat: Tensor, log_feat: Tensor, values: Tenso
     q_w = torch.exp(L + r - nu.unsqueeze(-1))  # (B, H, n, C, F), at most 1
     num = w @ v + q_w @ torch.stack(prev_s, 2)
     den = w.sum(-1) + (q_w @ torch.stack(prev_z, 2).unsqueeze(-1)).squeeze(-1)
-    y = num / (den.unsqueeze(-1) + eps)
-    return y.reshape(B, H, n * C, D)[:, :, :T]
+    return merge_chunks(num / (den.unsqueeze(-1) + eps), T)
 
 
 @register_kernel("fska")
