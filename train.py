@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 
+from mosaics.errors import InputError
 from mosaics.training import config_from_argv, train
 
 
@@ -23,11 +24,10 @@ def main(argv: list[str] | None = None) -> int:
         print("fields:", ", ".join(field_names()))
         return 0
     try:
-        cfg = config_from_argv(args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"train.py: {err}", file=sys.stderr)
+        train(config_from_argv(args))
+    except InputError as err:  # bad data, config or checkpoint: the message says what to do
+        print(f"train.py: error: {err}", file=sys.stderr)
         return 2
-    train(cfg)
     return 0
 
 

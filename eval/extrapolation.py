@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.model:
         check_kernels(p, args.kernel)
 
-    from mosaics.evaluation import experiments, plots, taskrun
+    from mosaics.evaluation import experiments, plots
 
     proto = experiments.with_overrides(
         experiments.EXTRAPOLATION_PRESETS[args.preset], steps=args.steps,
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         p.error(str(err))
     results["preset"] = args.preset
-    taskrun.write_json(out / "results.json", results)
+    experiments.write_json(out / "results.json", results)
     print(experiments.extrapolation_table(results))
     print(f"plot: {plots.plot_extrapolation(results, out / 'extrapolation.png')}")
     print(f"results: {out / 'results.json'}")

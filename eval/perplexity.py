@@ -45,10 +45,10 @@ def main(argv: list[str] | None = None) -> None:
     if data.suffix in (".npy", ".txt", ".jsonl", ".json") and not data.exists():
         p.error(f"--data {args.data}: no such file")
 
-    from mosaics.evaluation import lm, plots, taskrun
+    from mosaics.evaluation import experiments, lm, models, plots
 
     device = args.device or default_device()
-    model = taskrun.load_model(args.model, device)
+    model = models.load_model(args.model, device)
     cfg = model.config
     block = args.block_size or getattr(cfg, "block_size", None) or lm.context_length(model)
     limit = lm.context_length(model)
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(err))
     result.update(model=str(args.model), data=str(args.data), split=args.split)
     out = Path(args.out or args.model)
-    taskrun.write_json(out / "perplexity.json", result)
+    experiments.write_json(out / "perplexity.json", result)
     plot = plots.plot_loss_by_position(result["loss_by_position"], out / "loss_by_position.png",
                                        f"{Path(args.model).name}: loss by position")
     lbp = result["loss_by_position"]

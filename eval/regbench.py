@@ -28,7 +28,7 @@ from mosaics.evaluation.cli import (  # noqa: E402
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", nargs="+", default=["mosaics"], choices=["mosaics", "gpt2"])
+    p.add_argument("--arch", nargs="+", default=["mosaics"], choices=["mosaics", "gpt2", "llama"])
     p.add_argument("--kernel", nargs="+", default=["gaussian"], help="Memory Mosaics kernels")
     p.add_argument("--kernel-kwargs", type=kernel_kwargs_arg, default=None)
     p.add_argument("--sizes", nargs="+", type=positive_int, default=[1000],
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     if "mosaics" in args.arch and not args.model:
         check_kernels(p, args.kernel)
 
-    from mosaics.evaluation import experiments, plots, taskrun
+    from mosaics.evaluation import experiments, plots
 
     proto = experiments.with_overrides(
         experiments.REGBENCH_PRESETS[args.preset], epochs=args.epochs, max_steps=args.max_steps,
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(err))
     results["preset"] = args.preset
     out = Path(args.out)
-    taskrun.write_json(out / "results.json", results)
+    experiments.write_json(out / "results.json", results)
     print(experiments.regbench_table(results))
     if any(r["size"] is not None for r in results["runs"]):
         print(f"plot: {plots.plot_regbench(results, out / 'regbench.png')}")
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
 def merge(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     import json
 
-    from mosaics.evaluation import experiments, plots, taskrun
+    from mosaics.evaluation import experiments, plots
 
     parts = []
     for path in args.merge:
@@ -102,7 +102,7 @@ def merge(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     except ValueError as err:
         p.error(str(err))
     out = Path(args.out)
-    taskrun.write_json(out / "results.json", results)
+    experiments.write_json(out / "results.json", results)
     print(experiments.regbench_table(results))
     print(f"plot: {plots.plot_regbench(results, out / 'regbench.png')}")
     print(f"results: {out / 'results.json'}")

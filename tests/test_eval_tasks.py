@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from mosaics.evaluation import tasks
-from mosaics.evaluation.taskrun import lr_lambda
 
 
 @pytest.mark.parametrize("length", [32, 47, 64, 512])
@@ -102,19 +101,14 @@ def test_evaluate_exact_match_with_a_perfect_model():
 
 
 def test_batches_are_seeded_and_within_lengths():
-    a = next(tasks.random_batches("sort", 8, 32, 64, seed=0))
-    b = next(tasks.random_batches("sort", 8, 32, 64, seed=0))
-    assert torch.equal(a["input_ids"], b["input_ids"])
+    source = tasks.RandomTaskBatches("sort", 8, 32, 64, seed=0)
+    a = source.batch(5)
+    b = tasks.RandomTaskBatches("sort", 8, 32, 64, seed=0).batch(5)
+    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
+    assert not torch.equal(a["input_ids"][:, :10], source.batch(6)["input_ids"][:, :10])
+    with pytest.raises(ValueError, match="same task settings"):
+        tasks.RandomTaskBatches("sort", 8, 32, 64, seed=1).load_state_dict(source.state_dict())
     lengths = (a["input_ids"] != tasks.SORT.pad).sum(1)
     assert bool(((lengths >= 2 * 32 + 3) & (lengths <= 2 * 64 + 3)).all())
     with pytest.raises(ValueError, match="length >= 8"):
         tasks.mqmtar_sample(np.random.default_rng(0), 7)
-
-
-def test_lr_schedule_warms_up_then_decays_to_the_floor():
-    f = lr_lambda(100, 0.1, 0.1)
-    values = [f(s) for s in range(101)]
-    assert values[0] == pytest.approx(0.1) and values[9] == pytest.approx(1.0)
-    assert all(a <= b for a, b in zip(values[:10], values[1:10]))
-    assert all(a >= b for a, b in zip(values[10:], values[11:]))
-    assert values[100] == pytest.approx(0.1)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from mosaics import MosaicsConfig, MosaicsForCausalLM
+from mosaics.errors import ConfigError
 from mosaics.training import checkpoint as ckpt
 from mosaics.training.config import (
     TrainConfig,
@@ -81,7 +82,7 @@ def test_unknown_and_bad_fields_fail_clearly(tmp_path: Path) -> None:
         config_from_argv(["model_type=lstm"])
     with pytest.raises(ValueError, match="global_batch_size=10 is not a multiple"):
         load_config(None, {"global_batch_size": 10, "batch_size": 4}).accumulation_steps(1)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ConfigError, match="missing.yaml"):
         load_config(tmp_path / "missing.yaml")
 
 
@@ -145,7 +146,7 @@ def test_incomplete_checkpoints_are_skipped(tmp_path: Path) -> None:
     sched = build_scheduler(opt, 1e-3, 0.0, 1, 10)
     _write_checkpoint(tmp_path, 10, model, opt, sched)
     _write_checkpoint(tmp_path, 20, model, opt, sched)
-    (tmp_path / "checkpoints/step_0000020/COMPLETE").unlink()  # e.g. a copy cut short
+    (tmp_path / "checkpoints/step_0000020/manifest.json").unlink()  # e.g. a copy cut short
     ckpt.prepare_save(tmp_path, 30)  # an interrupted save: only a temporary folder
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [10]
     assert ckpt.latest_checkpoint(tmp_path).name == "step_0000010"

@@ -14,7 +14,7 @@ from .storygen import (
     write_story_file,
 )
 from .stream import (
-    RandomWindowDataset,
+    RandomWindowBatches,
     fixed_validation_windows,
     stream_dtype,
     tokenize_to_stream,
@@ -27,7 +27,7 @@ __all__ = [
     "Corpus",
     "MalformedInputError",
     "MissingSplitError",
-    "RandomWindowDataset",
+    "RandomWindowBatches",
     "Story",
     "context_oracle_report",
     "default_cache_dir",

@@ -34,7 +34,16 @@ from urllib.parse import urlparse
 
 import datasets
 
-__all__ = ["MalformedInputError", "MissingSplitError", "load_texts", "split_file_name"]
+from ..errors import DataError
+
+__all__ = [
+    "DataSourceNotFound",
+    "HubUnavailableError",
+    "MalformedInputError",
+    "MissingSplitError",
+    "load_texts",
+    "split_file_name",
+]
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +51,49 @@ BABI_TRAIN, BABI_VAL = "traindataset.txt", "valdataset.txt"
 _VAL_SPLITS = {"validation", "val", "valid", "dev", "test"}
 
 
-class MalformedInputError(ValueError):
+class MalformedInputError(DataError):
     """A line of an input file cannot be read; the message names the file and line."""
 
 
-class MissingSplitError(ValueError):
+class MissingSplitError(DataError):
     """The source has no such split."""
+
+
+class DataSourceNotFound(DataError, FileNotFoundError):
+    """A local data source that does not exist."""
+
+
+class HubUnavailableError(DataError, ConnectionError):
+    """A hub dataset that cannot be loaded here (offline, not cached, unknown id)."""
+
+
+def _open_text(path: str):
+    """Open ``path`` as UTF-8 text, failing as :class:`DataError` when it cannot be read."""
+    try:
+        return open(path, encoding="utf-8")
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror}); check the path and its "
+                        "permissions") from None
+
+
+def _lines(path: str) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a UTF-8 text file; a file that is not UTF-8 text (binary, or
+    another encoding) raises :class:`DataError` naming the line."""
+    lineno = 0
+    with _open_text(path) as f:
+        try:
+            for lineno, line in enumerate(f, 1):  # noqa: B007 (used after the loop)
+                yield lineno, line
+        except UnicodeDecodeError as e:
+            raise DataError(
+                f"{path}:{lineno + 1}: not UTF-8 text ({e.reason} at byte {e.start} of the "
+                "line); is this a binary or compressed file? Pass a UTF-8 .txt/.jsonl file or "
+                "convert it (e.g. `iconv -t utf-8`)."
+            ) from None
+
+
+def _no_documents(path: str, what: str) -> DataError:
+    return DataError(f"{path}: no documents found ({what}); pass a file with text in it")
 
 
 def split_file_name(split: str) -> str:
@@ -80,22 +126,25 @@ def _gen_json_lines(path: str, skip_malformed: bool,
                     prefix: str = "") -> Iterator[dict]:
     """``{"text": ...}`` per non-blank JSON line; ``extract(obj)`` gives ``(text, None)`` or
     ``(None, why)``, and a bad line raises (or is skipped and counted) with ``prefix + why``."""
-    skipped = 0
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                text, why = extract(json.loads(line))
-            except json.JSONDecodeError as e:
-                text, why = None, f"not valid JSON ({e.msg})"
-            if text is None:
-                _malformed(path, lineno, prefix + why, skip_malformed)
-                skipped += 1
-                continue
-            yield {"text": text}
+    skipped = kept = 0
+    for lineno, line in _lines(path):
+        if not line.strip():
+            continue
+        try:
+            text, why = extract(json.loads(line))
+        except json.JSONDecodeError as e:
+            text, why = None, f"not valid JSON ({e.msg})"
+        if text is None:
+            _malformed(path, lineno, prefix + why, skip_malformed)
+            skipped += 1
+            continue
+        kept += 1
+        yield {"text": text}
     if skipped:
         log.warning("%s: skipped %d malformed line(s)", path, skipped)
+    if not kept:
+        raise _no_documents(path, f"all {skipped} lines malformed" if skipped
+                            else "the file is empty or holds only blank lines")
 
 
 def _story_text(obj: object) -> tuple[str | None, str | None]:
@@ -122,33 +171,36 @@ def _gen_jsonl(path: str, text_column: str, skip_malformed: bool) -> Iterator[di
 
 def _gen_paragraphs(path: str) -> Iterator[dict]:
     para: list[str] = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.rstrip("\n").rstrip("\r")
-            if line.strip():
-                para.append(line)
-            elif para:
-                yield {"text": "\n".join(para)}
-                para = []
+    kept = 0
+    for _, line in _lines(path):
+        line = line.rstrip("\n").rstrip("\r")
+        if line.strip():
+            para.append(line)
+        elif para:
+            kept += 1
+            yield {"text": "\n".join(para)}
+            para = []
     if para:
+        kept += 1
         yield {"text": "\n".join(para)}
+    if not kept:
+        raise _no_documents(path, "the file is empty or holds only blank lines")
 
 
 def _is_babistories(path: Path, probe: int = 5) -> bool:
     """True when one of the first ``probe`` non-empty lines is a JSON string (or no lines)."""
     seen = 0
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                if isinstance(json.loads(line), str):
-                    return True
-            except json.JSONDecodeError:
-                pass
-            seen += 1
-            if seen == probe:
-                return False
+    for _, line in _lines(str(path)):
+        if not line.strip():
+            continue
+        try:
+            if isinstance(json.loads(line), str):
+                return True
+        except json.JSONDecodeError:
+            pass
+        seen += 1
+        if seen == probe:
+            return False
     return seen == 0  # an empty file is an empty BabiStories file
 
 
@@ -160,10 +212,10 @@ def _from_generator(gen, gen_kwargs: dict, key: str, cache_dir: str | None) -> d
         )
     except datasets.exceptions.DatasetGenerationError as e:
         cause = e.__cause__
-        while cause is not None and not isinstance(cause, MalformedInputError):
+        while cause is not None and not isinstance(cause, DataError):
             cause = cause.__cause__ or cause.__context__
         if cause is not None:
-            raise MalformedInputError(str(cause)) from None
+            raise type(cause)(str(cause)) from None
         raise
 
 
@@ -192,7 +244,7 @@ def _load_file(
 
 def _select_text(ds: datasets.Dataset, text_column: str, where: str) -> datasets.Dataset:
     if text_column not in ds.column_names:
-        raise ValueError(
+        raise DataError(
             f"{where} has no column {text_column!r} (columns: {ds.column_names}); "
             "choose one with text_column=/--text-column"
         )
@@ -242,7 +294,7 @@ def _load_hub(source: str, split: str, text_column: str, cache_dir: str | None) 
     name, _, config = source.partition(":")
     offline = _offline()
     if not offline and not _hub_reachable():
-        raise ConnectionError(_hub_help(source, "the hub is unreachable"))
+        raise HubUnavailableError(_hub_help(source, "the hub is unreachable"))
     try:
         dd = datasets.load_dataset(name, config or None, cache_dir=cache_dir)
     except Exception as e:  # offline cache miss, unknown id, auth...
@@ -251,7 +303,7 @@ def _load_hub(source: str, split: str, text_column: str, cache_dir: str | None) 
             reason = (
                 f"offline mode (HF_HUB_OFFLINE=1) and not usable from the local cache ({reason})"
             )
-        raise ConnectionError(_hub_help(source, reason)) from e
+        raise HubUnavailableError(_hub_help(source, reason)) from None
     return _select_text(_pick_split(dd, split, source), text_column, source)
 
 
@@ -288,7 +340,14 @@ def load_texts(
             if split.lower() != "train":
                 raise MissingSplitError(f"{path} is a single saved split: it only has 'train'")
             return _select_text(datasets.load_from_disk(str(path)), text_column, str(path))
-        dd = datasets.load_dataset(str(path), cache_dir=cache_dir)
+        try:
+            dd = datasets.load_dataset(str(path), cache_dir=cache_dir)
+        except (ValueError, FileNotFoundError, datasets.exceptions.DatasetGenerationError) as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DataError(
+                f"{path}: no readable dataset in this folder ({why}); pass a folder of "
+                ".parquet/.csv/.json/.jsonl/.txt files, a saved dataset, or a single file"
+            ) from None
         return _select_text(_pick_split(dd, split, str(path)), text_column, str(path))
     if path.is_file():
         return _load_file(path, split, text_column, skip_malformed, cache_dir)
@@ -298,5 +357,5 @@ def load_texts(
         ".json",
     )
     if looks_local or str(source).count("/") > 1:
-        raise FileNotFoundError(f"{source}: no such file or directory")
+        raise DataSourceNotFound(f"{source}: no such file or directory; check data_source")
     return _load_hub(str(source), split, text_column, cache_dir)

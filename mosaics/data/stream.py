@@ -2,7 +2,7 @@
 
 ``tokenize_to_stream`` turns a text Dataset into one 1-D token array, every document followed
 by the eos (end-of-text) token, cached as ``.npy`` keyed by the dataset fingerprint and the
-tokenizer. ``RandomWindowDataset`` draws training windows of ``block_size`` tokens at uniformly
+tokenizer. ``RandomWindowBatches`` draws training windows of ``block_size`` tokens at uniformly
 random offsets (the reference recipe); batch ``step`` is a pure function of (seed, step, rank),
 so resuming is exact. ``fixed_validation_windows`` gives a reproducible validation set.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import mmap
 import os
 import tempfile
 from pathlib import Path
@@ -21,8 +20,10 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 
+from ..errors import DataError
+
 __all__ = [
-    "RandomWindowDataset",
+    "RandomWindowBatches",
     "fixed_validation_windows",
     "stream_dtype",
     "tokenize_to_stream",
@@ -144,22 +145,14 @@ def _generator(seed: int, step: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64([seed, step]))
 
 
-class RandomWindowDataset(torch.utils.data.IterableDataset):
-    """Windows of ``block_size`` tokens at uniformly random offsets of a token stream.
+class RandomWindowBatches:
+    """Batches of ``block_size``-token windows at uniformly random offsets of a token stream.
 
     Batch ``step`` is a pure function of (seed, step): offsets for the *global* batch of
     ``batch_size * world_size`` windows are drawn from ``PCG64([seed, step])`` and rank ``r``
     takes rows ``[r * batch_size, (r + 1) * batch_size)``. So ranks get different windows, the
     global batch does not depend on how it is split over ranks, and resuming at any step is
     exact. Labels equal ``input_ids`` (the model shifts them).
-
-    Use either
-      - ``batch(step)`` -> {"input_ids": (B, T) int64, "labels": (B, T) int64}, or
-      - iteration: yields single examples {"input_ids": (T,), "labels": (T,)} continuing from
-        ``state_dict()["step"]``; wrap in ``DataLoader(ds, batch_size=batch_size)``. With
-        ``num_workers=W`` worker w produces steps w, w + W, ... and the loader's round robin
-        restores the order. Call ``advance()``/``set_step()`` from the training loop (or rely
-        on ``state_dict`` of the main-process copy when ``num_workers=0``).
     """
 
     def __init__(
@@ -170,13 +163,11 @@ class RandomWindowDataset(torch.utils.data.IterableDataset):
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
-        start_step: int = 0,
     ):
-        super().__init__()
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
         if len(tokens) < block_size:
-            raise ValueError(
+            raise DataError(
                 f"the token stream ({len(tokens)} tokens) is shorter than block_size "
                 f"({block_size}); use a bigger corpus or a smaller block_size"
             )
@@ -190,8 +181,6 @@ class RandomWindowDataset(torch.utils.data.IterableDataset):
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
-        self.step = start_step
-        self._within = 0  # examples of batch `step` already yielded (iteration, num_workers=0)
 
     @property
     def num_offsets(self) -> int:
@@ -212,45 +201,9 @@ class RandomWindowDataset(torch.utils.data.IterableDataset):
         x = torch.from_numpy(np.asarray(self.tokens[idx], dtype=np.int64))
         return {"input_ids": x, "labels": x.clone()}
 
-    def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        workers, wid = (1, 0) if info is None else (info.num_workers, info.id)
-        step = self.step + wid
-        within = self._within if wid == 0 else 0
-        while True:
-            b = self.batch(step)
-            for j in range(within, self.batch_size):
-                if info is None:
-                    self.step, self._within = step, j + 1
-                    if self._within == self.batch_size:
-                        self.step, self._within = step + 1, 0
-                yield {"input_ids": b["input_ids"][j], "labels": b["labels"][j]}
-            within = 0
-            step += workers
-
-    def __getstate__(self) -> dict:
-        """Pickle a memory-mapped stream by file name (for DataLoader workers), not by value."""
-        state = self.__dict__.copy()
-        t = self.tokens
-        if isinstance(t, np.memmap) and t.filename and isinstance(t.base, mmap.mmap):
-            state["tokens"] = ("memmap", t.filename, t.dtype.str, t.offset, t.shape)
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        t = state["tokens"]
-        if isinstance(t, tuple) and t[0] == "memmap":
-            _, filename, dtype, offset, shape = t
-            state["tokens"] = np.memmap(filename, dtype=dtype, mode="r", offset=offset, shape=shape)
-        self.__dict__.update(state)
-
-    def set_step(self, step: int) -> None:
-        """Make the next iteration start at batch ``step``."""
-        self.step, self._within = step, 0
-
     def state_dict(self) -> dict:
+        """What defines the batches (a resume checks it with ``load_state_dict``)."""
         return {
-            "step": self.step,
-            "within": self._within,
             "seed": self.seed,
             "block_size": self.block_size,
             "batch_size": self.batch_size,
@@ -260,15 +213,14 @@ class RandomWindowDataset(torch.utils.data.IterableDataset):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the position; refuses a state from a different stream or sampler setup."""
+        """Refuse a state written for a different stream or sampler setup."""
         for k in ("seed", "block_size", "batch_size", "world_size", "num_tokens"):
             mine = len(self.tokens) if k == "num_tokens" else getattr(self, k)
             if k in state and state[k] != mine:
-                raise ValueError(
-                    f"sampler state has {k}={state[k]} but this sampler has {k}={mine}; "
+                raise DataError(
+                    f"the checkpoint's batches had {k}={state[k]}, this run has {k}={mine}; "
                     "resume with the same data and batch settings"
                 )
-        self.step, self._within = int(state["step"]), int(state.get("within", 0))
 
 
 def fixed_validation_windows(

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ..errors import DataError
+
 __all__ = ["EOT", "load_tokenizer", "train_bpe_tokenizer"]
 
 EOT = "<|endoftext|>"
@@ -60,18 +62,23 @@ def load_tokenizer(name_or_path: str | os.PathLike):
 
     name = str(name_or_path)
     path = Path(name).expanduser()
+    fix = ("Pass a folder holding tokenizer.json (e.g. a saved model or one written by "
+           "train_bpe_tokenizer), or a hub id already in the local HF cache; leave it unset to "
+           "train a byte-level BPE on the corpus.")
+    if path.is_dir() and not any(
+        (path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+    ):
+        raise DataError(f"tokenizer folder {path} has no tokenizer files (tokenizer.json, "
+                        f"tokenizer_config.json or vocab.json). {fix}")
     try:
         tok = AutoTokenizer.from_pretrained(
             str(path) if path.exists() else name, local_files_only=True
         )
     except (OSError, ValueError) as e:
-        raise OSError(
-            f"cannot load tokenizer {name!r} locally: {e}. Pass a folder holding tokenizer.json "
-            "(e.g. a saved model or one written by train_bpe_tokenizer), or a hub id already in "
-            "the local HF cache; leave it unset to train a byte-level BPE on the corpus."
-        ) from e
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"cannot load tokenizer {name!r} locally ({why}). {fix}") from None
     if tok.eos_token_id is None:
-        raise ValueError(
+        raise DataError(
             f"tokenizer {name!r} has no eos token; documents are separated by eos in the token "
             "stream, so set one (tokenizer.eos_token = ...) and save it again."
         )

@@ -6,25 +6,29 @@ finishes on a laptop-class CPU; see docs/evaluation.md for the exact differences
 
 from __future__ import annotations
 
+import json
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from torch import Tensor
 
-from . import regbench, tasks
-from .taskrun import (
-    TrainConfig,
-    build_model,
-    epoch_batches,
-    load_model,
-    model_config,
-    n_params,
-    train,
-    write_json,
+from ..training.build import causal_lm
+from ..training.config import TrainConfig
+from ..training.trainer import (
+    KeepBest,
+    Trainer,
+    TrainResult,
+    count_parameters,
+    make_accelerator,
 )
+from . import regbench, tasks
+from .models import load_model, model_config
 
 
 @dataclass
@@ -82,6 +86,73 @@ EXTRAPOLATION_PRESETS = {
 }
 
 
+def write_json(path: str | Path, obj: Any) -> None:
+    """Write JSON atomically (temporary file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=float))
+    tmp.replace(path)
+
+
+class EpochBatches:
+    """Endless batches over a fixed list of items, reshuffled every epoch by one seeded
+    generator (the last batch of an epoch may be smaller); ``batch(i)`` is a pure function of i.
+    """
+
+    def __init__(self, items: Sequence, batch_size: int, collate: Callable[[list], dict],
+                 seed: int = 0) -> None:
+        self.items, self.batch_size, self.collate, self.seed = items, batch_size, collate, seed
+        self.steps_per_epoch = math.ceil(len(items) / batch_size)
+        self._rng = np.random.default_rng(seed)
+        self._orders: list[np.ndarray] = []
+
+    def batch(self, index: int) -> dict[str, Tensor]:
+        epoch, j = divmod(index, self.steps_per_epoch)
+        while len(self._orders) <= epoch:
+            self._orders.append(self._rng.permutation(len(self.items)))
+        rows = self._orders[epoch][j * self.batch_size: (j + 1) * self.batch_size]
+        return self.collate([self.items[k] for k in rows])
+
+    def state_dict(self) -> dict:
+        return {"items": len(self.items), "batch_size": self.batch_size, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state != self.state_dict():
+            raise ValueError(f"the checkpoint's batches ({state}) differ from this run's "
+                             f"({self.state_dict()}); resume with the same data settings")
+
+
+def fit_task_model(model: torch.nn.Module, batches: Any, val_batches: list[dict[str, Tensor]],
+                   total_steps: int, lr: float, weight_decay: float, warmup_frac: float,
+                   eval_every: int, seed: int, device: str, time_budget_s: float | None = None,
+                   run_dir: Path | None = None, progress: bool = True,
+                   desc: str = "train") -> TrainResult:
+    """Train ``model`` in place with the shared :class:`Trainer` (AdamW, linear warm-up over
+    ``warmup_frac`` of the steps, cosine to lr / 10, clipping at 1) and restore the weights of
+    the best validation loss. Learning curves go to ``run_dir/metrics.jsonl`` when given."""
+    cfg = TrainConfig(run_dir=str(run_dir) if run_dir is not None else "", seed=seed,
+                      max_steps=total_steps, lr=lr, min_lr=0.1 * lr,
+                      warmup_steps=max(1, round(warmup_frac * total_steps)),
+                      weight_decay=weight_decay, grad_clip=1.0, eval_interval=eval_every,
+                      log_interval=eval_every, checkpoint_interval=0, progress_bar=progress,
+                      tensorboard=False, time_budget_s=time_budget_s)
+    torch.manual_seed(seed)
+    trainer = Trainer(cfg, model.to(device), batches, val_batches, hooks=[KeepBest()],
+                      accelerator=make_accelerator(cfg, device), name=desc)
+    result = trainer.fit()
+    trainer.close()
+    model.eval()
+    return result
+
+
+def train_summary(result: TrainResult) -> dict[str, Any]:
+    """The JSON-ready part of a task run's :class:`TrainResult`."""
+    return {"best_val_loss": result.best_val_loss, "best_step": result.best_step,
+            "steps": result.steps, "seconds": result.wall_seconds,
+            "stopped_early": result.stopped_early, "history": result.history}
+
+
 def _check_vocab(model: torch.nn.Module, expected: int, path: str | Path, task: str) -> None:
     got = model.config.vocab_size
     if got != expected:
@@ -90,7 +161,11 @@ def _check_vocab(model: torch.nn.Module, expected: int, path: str | Path, task: 
 
 
 def _label(arch: str, kernel: str | None) -> str:
-    return "gpt2" if arch == "gpt2" else f"mosaics/{kernel}"
+    return arch if arch != "mosaics" else f"mosaics/{kernel}"
+
+
+def _slug(label: str) -> str:
+    return label.replace("/", "-")
 
 
 def run_regbench(archs: list[str], kernels: list[str], sizes: list[int], proto: RegBenchProtocol,
@@ -109,7 +184,7 @@ def run_regbench(archs: list[str], kernels: list[str], sizes: list[int], proto: 
             _check_vocab(model, regbench.VOCAB_SIZE, path, "RegBench")
             score = regbench.evaluate_model(model, data.test, proto.batch_size, device, progress)
             results["runs"].append({"label": str(path), "model_dir": str(path), "size": None,
-                                    "params": n_params(model), **score})
+                                    "params": count_parameters(model), **score})
         return results
     val_batches = [regbench.collate(data.val[i: i + proto.batch_size])
                    for i in range(0, len(data.val), proto.batch_size)]
@@ -127,21 +202,20 @@ def run_regbench(archs: list[str], kernels: list[str], sizes: list[int], proto: 
                                proto.n_head, proto.pmem_size, kernel or "gaussian",
                                kernel_kwargs, proto.dropout, proto.n_positions)
             torch.manual_seed(seed)
-            model = build_model(cfg)
-            tcfg = TrainConfig(total_steps=total, batch_size=proto.batch_size, lr=proto.lr,
-                               weight_decay=proto.weight_decay, warmup_frac=proto.warmup_frac,
-                               eval_every=eval_every, time_budget_s=proto.time_budget_s,
-                               seed=seed)
-            batches = epoch_batches(train_set, proto.batch_size, regbench.collate, seed)
-            info = train(model, batches, val_batches, tcfg, device, progress,
-                         desc=f"{label} n={size}")
+            model = causal_lm(cfg)
+            batches = EpochBatches(train_set, proto.batch_size, regbench.collate, seed)
+            run_dir = (None if out_dir is None
+                       else Path(out_dir) / "runs" / f"{_slug(label)}-n{size}")
+            info = fit_task_model(model, batches, val_batches, total, proto.lr,
+                                  proto.weight_decay, proto.warmup_frac, eval_every, seed, device,
+                                  proto.time_budget_s, run_dir, progress, f"{label} n={size}")
             t0 = time.time()
             score = regbench.evaluate_model(model, data.test, proto.batch_size, device, progress)
             run = {"label": label, "arch": arch, "kernel": kernel, "size": size,
-                   "params": n_params(model), **score, "eval_seconds": time.time() - t0,
-                   "train": info.to_dict()}
+                   "params": count_parameters(model), **score, "eval_seconds": time.time() - t0,
+                   "train": train_summary(info)}
             if save_models and out_dir is not None:
-                path = Path(out_dir) / "models" / f"{label.replace('/', '-')}-n{size}"
+                path = Path(out_dir) / "models" / f"{_slug(label)}-n{size}"
                 model.save_pretrained(path)
                 run["model_dir"] = str(path)
             results["runs"].append(run)
@@ -223,7 +297,8 @@ def run_extrapolation(task: str, kernels: list[str], proto: ExtrapolationProtoco
             model = load_model(path, device)
             _check_vocab(model, spec.vocab_size, path, task)
             results["runs"].append({"label": str(path), "model_dir": str(path),
-                                    "params": n_params(model), **evaluate(model, str(path))})
+                                    "params": count_parameters(model),
+                                    **evaluate(model, str(path))})
         return results
     val = tasks.fixed_set(task, proto.n_val, (proto.min_len, proto.max_len), seed + 2000)
     val_batches = [tasks.collate(val[i: i + proto.batch_size], spec.pad)
@@ -236,15 +311,16 @@ def run_extrapolation(task: str, kernels: list[str], proto: ExtrapolationProtoco
                            proto.n_embd, proto.n_head, None, kernel, kernel_kwargs,
                            proto.dropout, 2 * proto.max_len + 3)
         torch.manual_seed(seed)
-        model = build_model(cfg)
-        tcfg = TrainConfig(total_steps=proto.steps, batch_size=proto.batch_size, lr=proto.lr,
-                           weight_decay=proto.weight_decay, warmup_frac=proto.warmup_frac,
-                           eval_every=proto.eval_every, time_budget_s=proto.time_budget_s,
-                           seed=seed)
-        batches = tasks.random_batches(task, proto.batch_size, proto.min_len, proto.max_len, seed)
-        info = train(model, batches, val_batches, tcfg, device, progress, desc=f"{label} {task}")
-        run = {"label": label, "kernel": kernel, "params": n_params(model),
-               **evaluate(model, label), "train": info.to_dict()}
+        model = causal_lm(cfg)
+        batches = tasks.RandomTaskBatches(task, proto.batch_size, proto.min_len, proto.max_len,
+                                          seed)
+        run_dir = None if out_dir is None else Path(out_dir) / "runs" / f"{task}-{kernel}"
+        info = fit_task_model(model, batches, val_batches, proto.steps, proto.lr,
+                              proto.weight_decay, proto.warmup_frac, proto.eval_every, seed,
+                              device, proto.time_budget_s, run_dir, progress,
+                              f"{label} {task}")
+        run = {"label": label, "kernel": kernel, "params": count_parameters(model),
+               **evaluate(model, label), "train": train_summary(info)}
         if save_models and out_dir is not None:
             path = Path(out_dir) / "models" / f"{task}-{kernel}"
             model.save_pretrained(path)

@@ -123,15 +123,31 @@ def exact_match(logits: Tensor, input_ids: Tensor, score_mask: Tensor) -> Tensor
     return ok.all(-1)
 
 
-def random_batches(task: str, batch_size: int, min_len: int, max_len: int, seed: int):
-    """Endless training batches; each sample's length ~ U{min_len..max_len}."""
-    spec, sampler = TASKS[task], SAMPLERS[task]
-    rng = np.random.default_rng([seed, 7])
-    while True:
-        lens = rng.integers(min_len, max_len + 1, size=batch_size)
-        batch = collate([sampler(rng, int(n)) for n in lens], spec.pad)
+class RandomTaskBatches:
+    """Endless training batches of a task; each sample's length ~ U{min_len..max_len}.
+
+    ``batch(i)`` is a pure function of (task, sizes, seed, i), so a resumed run is exact."""
+
+    def __init__(self, task: str, batch_size: int, min_len: int, max_len: int,
+                 seed: int) -> None:
+        self.task, self.batch_size, self.min_len, self.max_len = task, batch_size, min_len, max_len
+        self.seed = seed
+
+    def batch(self, index: int) -> dict[str, Tensor]:
+        rng = np.random.default_rng([self.seed, 7, index])
+        lens = rng.integers(self.min_len, self.max_len + 1, size=self.batch_size)
+        batch = collate([SAMPLERS[self.task](rng, int(n)) for n in lens], TASKS[self.task].pad)
         batch.pop("score_mask")
-        yield batch
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"task": self.task, "batch_size": self.batch_size, "min_len": self.min_len,
+                "max_len": self.max_len, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state != self.state_dict():
+            raise ValueError(f"the checkpoint's batches ({state}) differ from this run's "
+                             f"({self.state_dict()}); resume with the same task settings")
 
 
 def fixed_set(task: str, n: int, length: int | tuple[int, int], seed: int) -> list[Sample]:

@@ -5,7 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import GPT2LMHeadModel, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
 from ..baselines import gpt2_config_like
 from ..configuration_mosaics import MosaicsConfig
@@ -39,19 +47,23 @@ def mosaics_config(cfg: TrainConfig, vocab_size: int, **token_ids: int | None) -
     return MosaicsConfig(**kwargs)
 
 
+def causal_lm(config: PretrainedConfig) -> PreTrainedModel:
+    """A fresh causal LM for a ``MosaicsConfig``, ``GPT2Config`` or ``LlamaConfig``."""
+    if isinstance(config, MosaicsConfig):
+        return MosaicsForCausalLM(config)
+    if isinstance(config, GPT2Config):
+        return GPT2LMHeadModel(config)
+    if isinstance(config, LlamaConfig):
+        return LlamaForCausalLM(config)
+    raise TypeError(f"no causal LM for {type(config).__name__}")
+
+
 def build_model(cfg: TrainConfig, vocab_size: int, **token_ids: int | None) -> PreTrainedModel:
     """A freshly initialised model, identical on every process (seeded by ``cfg.seed``)."""
     mcfg = mosaics_config(cfg, vocab_size, **token_ids)
     torch.manual_seed(cfg.seed)
-    if cfg.model_type == "mosaics":
-        model: PreTrainedModel = MosaicsForCausalLM(mcfg)
-    else:
-        model = GPT2LMHeadModel(gpt2_config_like(mcfg))
+    model = causal_lm(mcfg if cfg.model_type == "mosaics" else gpt2_config_like(mcfg))
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model
 
-
-def count_parameters(model: torch.nn.Module) -> int:
-    """Trainable parameters, tied tensors counted once."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -9,13 +9,15 @@ Layout of ``<run_dir>/checkpoints/step_XXXXXXX/``::
                              checkpoint (ZeRO shards one file per process)
     rank_<r>.pt              RNG states of process r (torch, CUDA, numpy, python)
     rank_<r>.json            data-sampler state of process r
-    trainer_state.json       step, tokens seen, world size, DeepSpeed or not, config
-    COMPLETE                 written last
+    trainer_state.json       step, tokens seen, world size, accumulation, DeepSpeed or not,
+                             the training config and the model config
+    manifest.json            written last: size and SHA-256 of every other file
 
-A checkpoint is written into ``.tmp-step_XXXXXXX``, every file is fsynced, the marker is
+A checkpoint is written into ``.tmp-step_XXXXXXX``, every file is fsynced, the manifest is
 written, and only then is the folder renamed into place (and the parent fsynced). A folder
-without the marker is never loaded: an interrupted save leaves at most a ``.tmp-`` folder,
-which the next save removes.
+without the manifest is never loaded: an interrupted save leaves at most a ``.tmp-`` folder,
+which the next save removes. Resume checks every file against the manifest and falls back to
+the newest intact checkpoint when the newest one is damaged (truncated, altered, missing files).
 
 DeepSpeed reads its own files with ``torch.load(weights_only=False)``, which unpickles: resume
 a DeepSpeed run only from a run directory you wrote. DDP checkpoints unpickle nothing.
@@ -23,6 +25,7 @@ a DeepSpeed run only from a run directory you wrote. DDP checkpoints unpickle no
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -35,7 +38,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
-MARKER = "COMPLETE"
+from ..errors import CheckpointError
+
+MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -68,7 +73,8 @@ def tmp_dir(run_dir: str | os.PathLike, step: int) -> Path:
 
 
 def is_complete(path: str | os.PathLike) -> bool:
-    return (Path(path) / MARKER).is_file()
+    """A finished save (its manifest exists); see :func:`verify` for whether it is intact."""
+    return (Path(path) / MANIFEST).is_file()
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -87,6 +93,97 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     found = list_checkpoints(run_dir)
     return found[-1][1] if found else None
+
+
+# --- integrity --------------------------------------------------------------------------------
+
+def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(folder: Path) -> Path:
+    """Record size and SHA-256 of every file under ``folder`` in ``manifest.json``."""
+    entries = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
+               for p in _files(folder)}
+    path = folder / MANIFEST
+    path.write_text(json.dumps({"files": entries}, indent=1))
+    return path
+
+
+def verify(path: str | os.PathLike) -> str | None:
+    """``None`` if every file of the checkpoint matches its manifest, else what is wrong
+    (naming the first bad file)."""
+    path = Path(path)
+    try:
+        entries = json.loads((path / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return f"{MANIFEST} is missing (the save did not finish)"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{MANIFEST} is unreadable ({err})"
+    for name, entry in entries.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != entry["size"]:
+            return f"{name} has {size} bytes, {entry['size']} were written (truncated or altered)"
+        if _sha256(file) != entry["sha256"]:
+            return f"{name} does not match its checksum (altered or corrupted)"
+    return None
+
+
+def find_resumable(run_dir: str | os.PathLike) -> tuple[Path | None, list[str]]:
+    """The newest intact checkpoint of ``run_dir`` (or ``None``), and one warning line per
+    newer checkpoint skipped because it is damaged or incomplete."""
+    root = checkpoint_root(run_dir)
+    candidates = []
+    if root.is_dir():
+        for path in root.iterdir():
+            match = _STEP_DIR.match(path.name)
+            if match and path.is_dir():
+                candidates.append((int(match.group(1)), path))
+    skipped = []
+    for _, path in sorted(candidates, reverse=True):
+        problem = verify(path)
+        if problem is None:
+            return path, skipped
+        skipped.append(f"checkpoint {path} is damaged: {problem}; trying an older one")
+    return None, skipped
+
+
+_NOT_MODEL = {"transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype",
+              "auto_map", "initializer_seed", "output_hidden_states", "return_dict",
+              "output_attentions", "use_cache", "id2label", "label2id"}
+
+
+def model_config_dict(config: Any) -> dict[str, Any]:
+    """The parts of a Hugging Face config that define the model's shape and math (as JSON
+    reads them back)."""
+    return json.loads(json.dumps({k: v for k, v in config.to_dict().items()
+                                  if k not in _NOT_MODEL}, default=str))
+
+
+def check_model_config(path: Path, config: Any) -> None:
+    """Refuse a checkpoint written for a different model, saying what differs."""
+    state = json.loads((path / "trainer_state.json").read_text())
+    saved = state.get("model_config")
+    if saved is None:
+        return
+    now = model_config_dict(config)
+    diffs = [f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now"
+             for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    if diffs:
+        raise CheckpointError(
+            f"{path} was written for a different model ({'; '.join(diffs)}). Resume with the "
+            "settings it was written with, or start a fresh run in another run_dir.")
 
 
 # --- random number generators -------------------------------------------------------------
@@ -163,9 +260,8 @@ def finalize_save(run_dir: str | os.PathLike, step: int, keep: int = 0) -> Path:
             _fsync_file(path)
         else:
             _fsync_dir(path)
-    marker = tmp / MARKER
-    marker.write_text(f"{step}\n")
-    _fsync_file(marker)
+    manifest = write_manifest(tmp)
+    _fsync_file(manifest)
     _fsync_dir(tmp)
     final = checkpoint_root(run_dir) / step_dir_name(step)
     if final.exists():
@@ -183,22 +279,22 @@ def _read_states(path: Path, rank: int, world_size: int | None,
     """Trainer state and this rank's sampler state, after checking the checkpoint fits
     (``world_size=None`` skips the process-count check)."""
     if not is_complete(path):
-        raise ValueError(f"{path} has no {MARKER} marker: it is incomplete and cannot be loaded.")
+        raise CheckpointError(f"{path} has no {MANIFEST}: it is incomplete and cannot be loaded.")
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     written_by_ds = bool(trainer_state.get("deepspeed", False))
     if written_by_ds != deepspeed:
         writer, reader = (("DeepSpeed", "DDP or one process") if written_by_ds
                           else ("DDP or one process", "DeepSpeed"))
-        raise ValueError(f"{path} was written by a {writer} run and cannot be resumed under "
+        raise CheckpointError(f"{path} was written by a {writer} run and cannot be resumed under "
                          f"{reader} (the optimizer state is laid out differently); resume with "
                          f"the launcher that wrote it, or start a fresh run.")
     written = trainer_state.get("world_size")
     if world_size is not None and written != world_size:
-        raise ValueError(f"{path} was written by {written} processes; resume with the same "
+        raise CheckpointError(f"{path} was written by {written} processes; resume with the same "
                          f"number (now {world_size}).")
     rank_json = path / f"rank_{rank}.json"
     if not rank_json.is_file():
-        raise ValueError(
+        raise CheckpointError(
             f"{path} was written by {trainer_state.get('world_size')} process(es) and has no "
             f"state for process {rank}: resume with the same number of processes.")
     return trainer_state, json.loads(rank_json.read_text())
@@ -210,14 +306,26 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     """Restore a complete checkpoint into ``model``/``optimizer``/``scheduler`` and this
     process's RNG. Returns (trainer state, this rank's data-sampler state)."""
     trainer_state, data_state = _read_states(path, rank, world_size, deepspeed=False)
-    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+    try:
+        missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+    except Exception as err:  # safetensors raises its own error types
+        raise CheckpointError(f"{path}/model.safetensors cannot be read ({err}).") from err
     if unexpected or missing:
-        raise ValueError(f"{path}/model.safetensors does not match the model: missing "
-                         f"{missing}, unexpected {unexpected}. Resume with the same config.")
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    set_rng_state(torch.load(path / f"rank_{rank}.pt", weights_only=True))
+        raise CheckpointError(f"{path}/model.safetensors does not match the model: missing "
+                              f"{missing}, unexpected {unexpected}. Resume with the same config.")
+    optimizer.load_state_dict(_load_tensors(path / "optimizer.pt"))
+    scheduler.load_state_dict(_load_tensors(path / "scheduler.pt"))
+    set_rng_state(_load_tensors(path / f"rank_{rank}.pt"))
     return trainer_state, data_state
+
+
+def _load_tensors(path: Path) -> Any:
+    """``torch.load(weights_only=True)``: tensors and plain containers only, never code."""
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as err:  # unpickling errors, truncated zip archives...
+        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''}).") from err
 
 
 DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "state"
@@ -237,7 +345,7 @@ def load_deepspeed_checkpoint(path: Path, engine: Any, scheduler: Any, rank: int
                                        load_optimizer_states=True,
                                        load_lr_scheduler_states=False)
     if loaded is None:
-        raise ValueError(f"DeepSpeed could not load {path / DEEPSPEED_DIR / DEEPSPEED_TAG}.")
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    set_rng_state(torch.load(path / f"rank_{rank}.pt", weights_only=True))
+        raise CheckpointError(f"DeepSpeed could not load {path / DEEPSPEED_DIR / DEEPSPEED_TAG}.")
+    scheduler.load_state_dict(_load_tensors(path / "scheduler.pt"))
+    set_rng_state(_load_tensors(path / f"rank_{rank}.pt"))
     return trainer_state, data_state

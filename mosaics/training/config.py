@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from ..errors import ConfigError
+
 MODEL_TYPES = ("mosaics", "gpt2")
 PRECISIONS = ("auto", "no", "fp16", "bf16")
 
@@ -81,6 +83,8 @@ class TrainConfig:
     checkpoint_interval: int = 50
     keep_checkpoints: int = 2
     progress_bar: bool = True
+    tensorboard: bool = True
+    time_budget_s: float | None = None  # stop early after this many seconds (final eval kept)
 
     # final model and sample
     save_final: bool = True
@@ -91,23 +95,25 @@ class TrainConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the bad field and the fix."""
+        """Raise ``ConfigError`` naming the bad field and the fix."""
         if self.model_type not in MODEL_TYPES:
-            raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {self.model_type!r}.")
+            raise ConfigError(f"model_type must be one of {MODEL_TYPES}, got {self.model_type!r}.")
         if self.mixed_precision not in PRECISIONS:
-            raise ValueError(
+            raise ConfigError(
                 f"mixed_precision must be one of {PRECISIONS}, got {self.mixed_precision!r}.")
         for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "block_size",
                      "eval_windows", "eval_batch_size", "log_interval", "vocab_size"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}.")
         for name in ("warmup_steps", "eval_interval", "checkpoint_interval", "keep_checkpoints"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0 disables), got {getattr(self, name)}.")
+                raise ConfigError(f"{name} must be >= 0 (0 disables), got {getattr(self, name)}.")
         if not 0.0 <= self.min_lr <= self.lr:
-            raise ValueError(f"need 0 <= min_lr <= lr, got min_lr={self.min_lr}, lr={self.lr}.")
+            raise ConfigError(f"need 0 <= min_lr <= lr, got min_lr={self.min_lr}, lr={self.lr}.")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            raise ConfigError(f"time_budget_s must be positive or null, got {self.time_budget_s}.")
         if self.global_batch_size is not None and self.global_batch_size <= 0:
-            raise ValueError(f"global_batch_size must be positive or null, got "
+            raise ConfigError(f"global_batch_size must be positive or null, got "
                              f"{self.global_batch_size}.")
 
     def accumulation_steps(self, world_size: int) -> int:
@@ -119,7 +125,7 @@ class TrainConfig:
             return self.gradient_accumulation_steps
         per_step = self.batch_size * world_size
         if self.global_batch_size % per_step:
-            raise ValueError(
+            raise ConfigError(
                 f"global_batch_size={self.global_batch_size} is not a multiple of batch_size x "
                 f"processes = {self.batch_size} x {world_size}; change batch_size or "
                 f"global_batch_size.")
@@ -133,11 +139,11 @@ def field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(TrainConfig)]
 
 
-def _unknown_key_error(key: str, where: str) -> ValueError:
+def _unknown_key_error(key: str, where: str) -> ConfigError:
     names = field_names()
     close = difflib.get_close_matches(key, names, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    return ValueError(f"Unknown config field {key!r} ({where}).{hint} "
+    return ConfigError(f"Unknown config field {key!r} ({where}).{hint} "
                       f"Valid fields: {', '.join(names)}.")
 
 
@@ -186,7 +192,7 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
             return dict(value)
     except (TypeError, ValueError):
         pretty = getattr(hint, "__name__", str(hint))
-        raise ValueError(f"Config field {name!r} expects {pretty}, got {value!r}.") from None
+        raise ConfigError(f"Config field {name!r} expects {pretty}, got {value!r}.") from None
     return value
 
 
@@ -198,12 +204,23 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Read a YAML config; a ``base: other.yaml`` key (relative to this file) is merged first."""
     path = path.resolve()
     if path in seen:
-        raise ValueError(f"Config files include each other in a loop: {path}")
+        raise ConfigError(f"Config files include each other in a loop: {path}")
     if not path.is_file():
-        raise FileNotFoundError(f"Config file not found: {path}")
-    data = yaml.safe_load(path.read_text()) or {}
+        raise ConfigError(f"Config file not found: {path}; pass an existing YAML file to "
+                          "--config (see configs/).")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML ({problem}); fix the file (each line "
+                          "`field: value`, see configs/default.yaml).") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a text file; pass a YAML config.") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a mapping of config fields, got {type(data).__name__}.")
+        raise ConfigError(f"{path} must hold a mapping of config fields (`field: value` lines), "
+                          f"got {type(data).__name__}.")
     base = data.pop("base", None)
     merged: dict[str, Any] = {}
     if base is not None:
@@ -238,14 +255,14 @@ def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, str]]:
                                 or nxt.lower() not in _TRUE | _FALSE):
                     value = "true"
                 elif nxt is None:
-                    raise ValueError(f"Option --{key} needs a value: --{key} VALUE.")
+                    raise ConfigError(f"Option --{key} needs a value: --{key} VALUE.")
                 else:
                     value = nxt
                     i += 1
         elif "=" in arg:
             key, value = arg.split("=", 1)
         else:
-            raise ValueError(f"Cannot read argument {arg!r}: write key=value or --key value.")
+            raise ConfigError(f"Cannot read argument {arg!r}: write key=value or --key value.")
         key = key.replace("-", "_")
         if key == "config":
             config_path = value

@@ -1,0 +1,49 @@
+"""The models of the task experiments: Memory Mosaics and size-matched transformer baselines,
+built fresh or loaded from a saved directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+ARCHS = ("mosaics", "gpt2", "llama")
+
+
+def model_config(arch: str, vocab_size: int, n_layer: int, n_embd: int, n_head: int,
+                 pmem_size: int | None = None, kernel: str = "gaussian",
+                 kernel_kwargs: dict | None = None, dropout: float = 0.0,
+                 n_positions: int = 1024, **extra: Any) -> PretrainedConfig:
+    """``MosaicsConfig``, or the same-size ``GPT2Config`` (learned positions, ``n_positions``)
+    or rotary ``LlamaConfig`` (``gpt2`` / ``llama``)."""
+    from mosaics import MosaicsConfig, available_kernels
+    from mosaics.baselines import gpt2_config_like, llama_config_like
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
+    if arch == "mosaics" and kernel not in available_kernels():
+        raise ValueError(f"unknown kernel {kernel!r}; registered kernels: "
+                         f"{', '.join(available_kernels())}")
+    cfg = MosaicsConfig(vocab_size=vocab_size, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
+                        pmem_size=pmem_size, kernel=kernel, kernel_kwargs=kernel_kwargs or {},
+                        dropout=dropout, block_size=n_positions, **extra)
+    if arch == "gpt2":
+        return gpt2_config_like(cfg, n_positions=n_positions)
+    if arch == "llama":
+        return llama_config_like(cfg)
+    return cfg
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """Load a saved model directory (Memory Mosaics or a baseline) offline, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    import mosaics  # noqa: F401  (registers the Auto classes)
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a model directory (no config.json); pass the "
+                                "folder written by save_pretrained")
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True).to(device).eval()

@@ -1,0 +1,106 @@
+"""Pretraining a language model on a text corpus: the :class:`Trainer` fed random windows.
+
+    corpus (prepared once, main process first) -> RandomWindowBatches -> Trainer.fit
+    -> <run_dir>/final (Hugging Face model + tokenizer) -> a sample from the reloaded model
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from .build import as_hf_tokenizer, build_model, special_token_ids
+from .config import TrainConfig, save_config
+from .trainer import Trainer, TrainResult, count_parameters, make_accelerator
+
+
+def load_data(cfg: TrainConfig, accelerator: Accelerator) -> Any:
+    """Tokenized corpus (the main process prepares and caches it first, then the others)."""
+    from ..data import prepare_corpus
+
+    kwargs: dict[str, Any] = dict(source=cfg.data_source, vocab_size=cfg.vocab_size,
+                                  val_fraction=cfg.val_fraction, seed=cfg.data_seed,
+                                  num_proc=cfg.data_num_proc, text_column=cfg.text_column,
+                                  num_train_stories=cfg.num_train_stories,
+                                  num_val_stories=cfg.num_val_stories)
+    if cfg.tokenizer is not None:
+        kwargs["tokenizer"] = cfg.tokenizer
+    if cfg.data_cache_dir is not None:
+        kwargs["cache_dir"] = cfg.data_cache_dir
+    with accelerator.main_process_first():
+        return prepare_corpus(**kwargs)
+
+
+def validation_batches(windows: torch.Tensor, rows: int) -> list[dict[str, torch.Tensor]]:
+    """(N, T) windows as global batches of ``rows`` rows (labels = inputs)."""
+    return [{"input_ids": w, "labels": w} for w in windows.split(rows)]
+
+
+def sample_text(final_dir: Path, prompt: str, max_new_tokens: int, seed: int) -> str:
+    """Reload the saved model with the Auto classes and sample a continuation of ``prompt``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.integrations import deepspeed as hf_ds
+
+    tokenizer = AutoTokenizer.from_pretrained(final_dir)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    # under ZeRO-3, from_pretrained would partition the weights over all processes and
+    # generate would sync with them (collectives); this single-process check must not
+    saved = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32).eval()
+        torch.manual_seed(seed)
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=True, top_k=40,
+                             temperature=0.8, pad_token_id=tokenizer.pad_token_id,
+                             synced_gpus=False)
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = saved
+    return tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Run (or resume) the pretraining described by ``cfg``."""
+    from ..data import RandomWindowBatches, fixed_validation_windows
+
+    accelerator = make_accelerator(cfg)
+    main, world = accelerator.is_main_process, accelerator.num_processes
+    run_dir = Path(cfg.run_dir)
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    corpus = load_data(cfg, accelerator)
+    tokenizer = as_hf_tokenizer(corpus.tokenizer)
+    # micro-batch m of a process is batches.batch(m): a pure function of (seed, m, rank), and
+    # the processes' rows together form the same global batch for any number of processes.
+    batches = RandomWindowBatches(corpus.train_tokens, cfg.block_size, batch_size=cfg.batch_size,
+                                  seed=cfg.seed, rank=accelerator.process_index, world_size=world)
+    windows = fixed_validation_windows(corpus.val_tokens, cfg.block_size, cfg.eval_windows,
+                                       cfg.data_seed)
+    model = build_model(cfg, len(tokenizer), **special_token_ids(tokenizer))
+    trainer = Trainer(cfg, model, batches, validation_batches(windows, cfg.eval_batch_size * world),
+                      accelerator=accelerator)
+    trainer.setup()
+    accum = trainer.accumulation
+    if main:
+        n_params = count_parameters(trainer.unwrapped_model) / 1e6
+        print(f"{cfg.model_type}: {n_params:.2f}M parameters | {world} process(es), "
+              f"{accelerator.distributed_type}, precision {accelerator.mixed_precision} | "
+              f"global batch {cfg.batch_size * accum * world} x {cfg.block_size} = "
+              f"{cfg.batch_size * accum * world * cfg.block_size} tokens per step "
+              f"({accum} micro-batch(es) of {cfg.batch_size} per process)", file=sys.stderr)
+    result = trainer.fit()
+    if cfg.save_final:
+        result.final_dir = trainer.export(run_dir / "final", tokenizer)
+        if main and cfg.sample_tokens > 0:
+            result.sample = sample_text(result.final_dir, cfg.sample_prompt, cfg.sample_tokens,
+                                        cfg.seed)
+            print(f"\n--- sample from {result.final_dir} ---\n{result.sample}\n", flush=True)
+    if main:
+        print(f"done: {result.steps} steps, train loss {result.train_loss}, val loss "
+              f"{result.val_loss}, {result.wall_seconds:.1f} s", file=sys.stderr)
+    trainer.close()
+    return result

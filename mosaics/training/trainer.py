@@ -1,0 +1,480 @@
+"""The training core shared by pretraining (``train.py``) and the task experiments (``eval/``).
+
+    trainer = Trainer(cfg, model, batches, val_batches, hooks=[KeepBest()])
+    result = trainer.fit()          # setup -> (train_step, evaluate, save_checkpoint)* -> hooks
+    trainer.export(final_dir, tokenizer)
+    trainer.close()
+
+Parts, each a method: :meth:`Trainer.setup` (optimizer, schedule, resume, accelerate/DeepSpeed
+wrapping), :meth:`Trainer.train_step` (one optimizer step of ``accumulation`` micro-batches),
+:meth:`Trainer.evaluate` (token-weighted validation loss, sharded over processes),
+:meth:`Trainer.save_checkpoint` (atomic, verified on resume), :meth:`Trainer.export` (a Hugging
+Face model directory). One optimizer step consumes ``batch_size x accumulation`` rows on each
+process.
+
+``batches`` is a :class:`BatchSource`: ``batch(i)`` is this process's ``i``-th micro-batch, a
+pure function of ``i``, so a resumed run sees exactly the batches the interrupted one would have.
+Metrics go to ``<run_dir>/metrics.jsonl`` (one JSON object per line), TensorBoard
+(``<run_dir>/tb``) and :attr:`Trainer.history`.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import shutil
+import sys
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import (
+    DistributedDataParallelKwargs,
+    DistributedType,
+    InitProcessGroupKwargs,
+    broadcast_object_list,
+)
+from torch import Tensor
+
+from ..errors import ConfigError
+from . import checkpoint as ckpt
+from .config import TrainConfig
+from .metrics import MetricsLog
+from .optim import build_optimizer, build_scheduler
+
+Batch = dict[str, Tensor]
+
+
+class BatchSource(Protocol):
+    """This process's micro-batches: ``batch(i)`` -> {"input_ids": (B, T), "labels": (B, T)}
+    (labels -100 are ignored), a pure function of ``i``. ``state_dict`` describes the source
+    (seed, sizes) so that a resume can refuse a different one in ``load_state_dict``."""
+
+    def batch(self, index: int) -> Batch: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class TrainResult:
+    """What a finished run produced (main-process values; losses in nats per token)."""
+
+    run_dir: Path | None
+    steps: int
+    train_loss: float | None
+    val_loss: float | None
+    wall_seconds: float
+    stopped_early: bool = False
+    best_val_loss: float | None = None
+    best_step: int | None = None
+    history: list[dict[str, float]] = field(default_factory=list)
+    final_dir: Path | None = None
+    sample: str | None = None
+
+
+class Hook:
+    """Callbacks; override what you need. ``trainer.stop = True`` ends training after the step."""
+
+    def on_evaluate(self, trainer: Trainer, step: int, val_loss: float) -> None: ...
+
+    def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None: ...
+
+    def on_train_end(self, trainer: Trainer, result: TrainResult) -> None: ...
+
+
+class KeepBest(Hook):
+    """Keep the weights of the lowest validation loss (in CPU memory) and restore them at the
+    end; records ``best_val_loss`` / ``best_step`` in the result. Not under DeepSpeed ZeRO-3
+    (the weights are partitioned there)."""
+
+    def __init__(self) -> None:
+        self.loss, self.step, self.state = math.inf, None, None
+
+    def on_evaluate(self, trainer: Trainer, step: int, val_loss: float) -> None:
+        if val_loss < self.loss:
+            self.loss, self.step = val_loss, step
+            model = trainer.unwrapped_model
+            self.state = {k: v.detach().to("cpu", copy=True) for k, v in
+                          model.state_dict().items()}
+
+    def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:
+        if self.state is not None:
+            trainer.unwrapped_model.load_state_dict(self.state)
+            result.best_val_loss, result.best_step = self.loss, self.step
+
+
+def resolve_precision(setting: str) -> str:
+    """``auto``: bf16 on a CUDA device that supports it, else fp32 (``no``). bf16 autocast is
+    much slower than fp32 on CPUs without native bf16 matmuls."""
+    if setting != "auto":
+        return setting
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "no"
+
+
+def make_accelerator(cfg: TrainConfig, device: str | None = None) -> Accelerator:
+    """The run's ``Accelerator`` (``device="cpu"`` forces the CPU on a GPU machine)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    handlers: list[Any] = []
+    if world > 1 and not torch.cuda.is_available():
+        # DeepSpeed through accelerate on CPU only sees the other ranks with an explicit gloo
+        # process group (otherwise accelerate believes world size 1).
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    if cfg.ddp_find_unused_parameters:
+        handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
+    accelerator = Accelerator(mixed_precision=resolve_precision(cfg.mixed_precision),
+                              gradient_accumulation_steps=cfg.accumulation_steps(world),
+                              kwargs_handlers=handlers, cpu=device == "cpu")
+    if world > 1 and accelerator.distributed_type == DistributedType.NO:
+        raise ConfigError(f"WORLD_SIZE={world} but accelerate set up no process group, so each "
+                          "process would train alone. On CPU set ACCELERATE_USE_CPU=1; see "
+                          "docs/training.md for working launch commands.")
+    if accelerator.num_processes != world:
+        raise ConfigError(f"WORLD_SIZE={world} but accelerate sees {accelerator.num_processes} "
+                          "processes; see docs/training.md for working launch commands.")
+    return accelerator
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Trainable parameters, tied tensors counted once; ZeRO-3 partitions at full size."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+
+
+def shard_rows(batch: Batch, rank: int, world: int) -> Batch:
+    """Rows ``rank, rank + world, ...`` of every tensor in ``batch``."""
+    return {k: v[rank::world] for k, v in batch.items()}
+
+
+class Trainer:
+    """One training run of ``model`` on ``batches`` under ``cfg`` (see the module docstring).
+
+    Args:
+        cfg: the optimisation, schedule, precision, logging and checkpoint settings.
+        model: a causal LM taking ``input_ids`` and ``labels`` (its ``loss`` is minimised).
+        batches: this process's micro-batches (:class:`BatchSource`).
+        val_batches: global validation batches; process r scores rows r, r + world, ...
+        hooks: callbacks, e.g. :class:`KeepBest`.
+        accelerator: an existing ``Accelerator`` (default: :func:`make_accelerator`).
+        name: the progress bar's label.
+    """
+
+    def __init__(self, cfg: TrainConfig, model: torch.nn.Module, batches: BatchSource,
+                 val_batches: Sequence[Batch] = (), hooks: Sequence[Hook] = (),
+                 accelerator: Accelerator | None = None, name: str = "train") -> None:
+        self.cfg = cfg
+        self.accelerator = accelerator or make_accelerator(cfg)
+        self.model: Any = model
+        self.batches = batches
+        self.val_batches = list(val_batches)
+        self.hooks = list(hooks)
+        self.name = name
+        self.run_dir = Path(cfg.run_dir) if cfg.run_dir else None
+        self.is_main = self.accelerator.is_main_process
+        self.is_deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+        self.step = 0
+        self.tokens_seen = 0
+        self.stop = False
+        self.history: list[dict[str, float]] = []
+        self.metrics: MetricsLog | None = None
+
+    # --- setup ---------------------------------------------------------------------------
+
+    @property
+    def unwrapped_model(self) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(self.model)
+
+    @property
+    def accumulation(self) -> int:
+        return self.accelerator.gradient_accumulation_steps
+
+    def setup(self) -> None:
+        """Optimizer and schedule, the checkpoint to resume from, accelerate/DeepSpeed wrapping."""
+        cfg, acc = self.cfg, self.accelerator
+        self.optimizer = build_optimizer(self.model, cfg.lr, cfg.weight_decay,
+                                         (cfg.beta1, cfg.beta2), cfg.adam_eps)
+        self.scheduler = build_scheduler(self.optimizer, cfg.lr, cfg.min_lr, cfg.warmup_steps,
+                                         cfg.max_steps)
+        resume_from = self._choose_checkpoint() if cfg.resume else None
+        if resume_from is not None and not self.is_deepspeed:
+            self._resumed(resume_from, ckpt.load_checkpoint(
+                resume_from, self.model, self.optimizer, self.scheduler, acc.process_index,
+                acc.num_processes))
+        if self.is_deepspeed:
+            self._configure_deepspeed()
+        self.model, self.optimizer = acc.prepare(self.model, self.optimizer)
+        if resume_from is not None and self.is_deepspeed:  # restores into its own partitions
+            self._resumed(resume_from, ckpt.load_deepspeed_checkpoint(
+                resume_from, self.model, self.scheduler, acc.process_index, acc.num_processes))
+        self.model.train()
+        if self.run_dir is not None:
+            self.metrics = MetricsLog(self.run_dir, self.is_main, self.step, cfg.tensorboard)
+
+    def _choose_checkpoint(self) -> Path | None:
+        """The newest intact checkpoint (main decides, every process gets the same answer)."""
+        choice: list[str | None] = [None]
+        if self.is_main and self.run_dir is not None:
+            path, skipped = ckpt.find_resumable(self.run_dir)
+            for warning in skipped:
+                print(f"warning: {warning}", file=sys.stderr)
+            if path is None:
+                print(f"resume: no intact checkpoint in {ckpt.checkpoint_root(self.run_dir)}, "
+                      "starting fresh", file=sys.stderr)
+            else:
+                ckpt.check_model_config(path, self.unwrapped_model.config)
+            choice = [None if path is None else str(path)]
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(choice)
+        return None if choice[0] is None else Path(choice[0])
+
+    def _resumed(self, path: Path, states: tuple[dict, dict]) -> None:
+        trainer_state, data_state = states
+        self.batches.load_state_dict(data_state)  # refuses a different data source or seed
+        written = trainer_state.get("accumulation", self.accumulation)
+        if written != self.accumulation:
+            raise ckpt.CheckpointError(
+                f"{path} was written with {written} micro-batches per step, this run uses "
+                f"{self.accumulation}; resume with the same gradient accumulation.")
+        self.step, self.tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
+        if self.is_main:
+            print(f"resumed from {path} at step {self.step}", file=sys.stderr)
+
+    def _configure_deepspeed(self) -> None:
+        """Fill the DeepSpeed config with this run's micro-batch, accumulation and clipping."""
+        ds = self.accelerator.state.deepspeed_plugin.deepspeed_config
+        if "optimizer" in ds or "scheduler" in ds:
+            raise ConfigError("The DeepSpeed config must not define 'optimizer' or 'scheduler': "
+                              "the training config owns them (AdamW groups, cosine schedule).")
+        rows = next(iter(self.batches.batch(0).values())).shape[0]
+        ds["train_micro_batch_size_per_gpu"] = rows
+        ds["gradient_accumulation_steps"] = self.accumulation
+        ds["train_batch_size"] = rows * self.accumulation * self.accelerator.num_processes
+        ds["gradient_clipping"] = self.cfg.grad_clip if self.cfg.grad_clip > 0 else 0.0
+
+    # --- the loop ------------------------------------------------------------------------
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step; returns this process's mean losses and its token count."""
+        acc, cfg = self.accelerator, self.cfg
+        sums = torch.zeros(3, dtype=torch.float64)  # loss, lm_loss, aux_loss
+        tokens, grad_norm = 0, None
+        for index in range(self.step * self.accumulation, (self.step + 1) * self.accumulation):
+            batch = self.batches.batch(index)
+            ids = batch["input_ids"].to(acc.device)
+            labels = batch["labels"].to(acc.device)
+            with acc.accumulate(self.model):
+                out = self.model(input_ids=ids, labels=labels, use_cache=False)
+                loss = out.loss
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    if cfg.grad_clip > 0 or self.is_deepspeed:
+                        grad_norm = acc.clip_grad_norm_(
+                            self.model.parameters(),
+                            cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+            value = loss.item()
+            if not math.isfinite(value):
+                raise FloatingPointError(
+                    f"non-finite training loss ({value}) at step {self.step + 1}: lower lr "
+                    f"(now {cfg.lr}), raise warmup_steps, or keep grad_clip > 0.")
+            lm = getattr(out, "lm_loss", None)
+            aux = getattr(out, "aux_loss", None)
+            sums += torch.tensor([value, value if lm is None else lm.item(),
+                                  math.nan if aux is None else aux.item()], dtype=torch.float64)
+            tokens += ids.numel()
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.step += 1
+        means = sums / self.accumulation
+        row = {"train/loss": float(means[0]), "train/lm_loss": float(means[1]), "lr": lr,
+               "tokens": float(tokens)}
+        if not math.isnan(float(means[2])):
+            row["train/aux_loss"] = float(means[2])
+        if grad_norm is not None:
+            row["grad_norm"] = float(grad_norm)
+        return row
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean next-token loss (nats per scored token) over ``val_batches``.
+
+        Every process runs the same number of forwards (ZeRO-3 needs all ranks in each)."""
+        acc = self.accelerator
+        rank, world = acc.process_index, acc.num_processes
+        was_training = self.model.training
+        self.model.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=acc.device)
+        for batch in self.val_batches:
+            usable = (batch["input_ids"].shape[0] // world) * world
+            if usable == 0:
+                raise ConfigError(f"a validation batch has {batch['input_ids'].shape[0]} rows, "
+                                  f"fewer than the {world} processes; use more eval_windows.")
+            part = shard_rows({k: v[:usable] for k, v in batch.items()}, rank, world)
+            ids, labels = part["input_ids"].to(acc.device), part["labels"].to(acc.device)
+            out = self.model(input_ids=ids, labels=labels, use_cache=False)
+            loss = out.lm_loss if getattr(out, "lm_loss", None) is not None else out.loss
+            n = (labels[:, 1:] != -100).sum().double()
+            total += torch.stack([loss.double() * n, n])
+        total = acc.reduce(total, reduction="sum")
+        self.model.train(was_training)
+        return float(total[0] / total[1].clamp_min(1))
+
+    def fit(self) -> TrainResult:
+        """Train to ``max_steps`` (or the time budget) and return the result."""
+        from tqdm.auto import tqdm
+
+        if self.optimizer is None:
+            self.setup()
+        cfg, acc = self.cfg, self.accelerator
+        started = time.time()
+        bar = tqdm(total=cfg.max_steps, initial=self.step, desc=self.name, dynamic_ncols=True,
+                   disable=not (self.is_main and cfg.progress_bar), mininterval=1.0)
+        window: list[dict[str, float]] = []
+        window_start = time.time()
+        train_loss = val_loss = None
+        stopped_early = False
+        while self.step < cfg.max_steps and not self.stop:
+            row = self.train_step()
+            window.append(row)
+            self.tokens_seen += int(row["tokens"]) * acc.num_processes
+            bar.update(1)
+            out_of_time = (cfg.time_budget_s is not None
+                           and time.time() - started > cfg.time_budget_s)
+            last = self.step == cfg.max_steps or out_of_time
+            values: dict[str, float] = {}
+            if self.step % cfg.log_interval == 0 or last:
+                values = self._window_metrics(window, time.time() - window_start)
+                train_loss = values["train/lm_loss"]
+                bar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{values['lr']:.2e}")
+                window, window_start = [], time.time()
+            if (cfg.eval_interval and self.step % cfg.eval_interval == 0) or last:
+                val_loss = self.evaluate() if self.val_batches else None
+                if val_loss is not None:
+                    values["val/loss"] = val_loss
+                    if self.is_main:
+                        bar.write(f"{self.name} step {self.step}: val loss {val_loss:.4f}")
+                    for hook in self.hooks:
+                        hook.on_evaluate(self, self.step, val_loss)
+                window_start = time.time()
+            if values:
+                self._log(values)
+            for hook in self.hooks:
+                hook.on_step_end(self, self.step, values)
+            if cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0 \
+                    and not last:
+                self.save_checkpoint()
+                window_start = time.time()
+            if out_of_time and self.step < cfg.max_steps:
+                stopped_early = True
+                break
+        bar.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        result = TrainResult(run_dir=self.run_dir, steps=self.step, train_loss=train_loss,
+                             val_loss=val_loss, wall_seconds=time.time() - started,
+                             stopped_early=stopped_early, history=self.history)
+        for hook in self.hooks:
+            hook.on_train_end(self, result)
+        return result
+
+    def _window_metrics(self, rows: list[dict[str, float]], seconds: float) -> dict[str, float]:
+        """Means over the steps since the last log, averaged over processes; tokens/s."""
+        keys = ["train/loss", "train/lm_loss"] + (["train/aux_loss"] if "train/aux_loss" in
+                                                   rows[0] else [])
+        local = torch.tensor([[r[k] for k in keys] + [r["tokens"]] for r in rows],
+                             dtype=torch.float64)
+        sums = local.sum(0).to(self.accelerator.device)
+        sums = self.accelerator.reduce(sums, reduction="sum").cpu()
+        world = self.accelerator.num_processes
+        values = {k: float(sums[i]) / (len(rows) * world) for i, k in enumerate(keys)}
+        values["lr"] = rows[-1]["lr"]
+        values["tokens_per_s"] = float(sums[-1]) / max(seconds, 1e-9)
+        if "grad_norm" in rows[-1]:
+            values["grad_norm"] = rows[-1]["grad_norm"]
+        return values
+
+    def _log(self, values: dict[str, float]) -> None:
+        self.history.append({"step": self.step, **values})
+        if self.metrics is not None:
+            self.metrics.log(self.step, values)
+
+    # --- checkpoints and export ----------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        """Collective: every process writes its RNG and data-source state, main the rest."""
+        acc, run_dir, step = self.accelerator, self.run_dir, self.step
+        if run_dir is None:
+            raise ConfigError("checkpoint_interval > 0 needs a run_dir to write checkpoints to.")
+        if self.is_main:
+            ckpt.prepare_save(run_dir, step)
+        acc.wait_for_everyone()
+        tmp = ckpt.tmp_dir(run_dir, step)
+        ckpt.save_rank_state(tmp, acc.process_index, self.batches.state_dict())
+        if self.is_deepspeed:  # weights and the ZeRO optimizer shards, one file per process
+            ckpt.save_deepspeed_state(tmp, self.model)
+        if self.is_main:
+            model = self.unwrapped_model
+            state = {"step": step, "tokens_seen": self.tokens_seen,
+                     "world_size": acc.num_processes, "accumulation": self.accumulation,
+                     "deepspeed": self.is_deepspeed, "config": self.cfg.to_dict(),
+                     "model_config": ckpt.model_config_dict(model.config)}
+            ckpt.save_main_state(tmp, None if self.is_deepspeed else model,
+                                 None if self.is_deepspeed else self.optimizer, self.scheduler,
+                                 state)
+        acc.wait_for_everyone()
+        final = ckpt.checkpoint_root(run_dir) / ckpt.step_dir_name(step)
+        if self.is_main:
+            ckpt.finalize_save(run_dir, step, keep=self.cfg.keep_checkpoints)
+        acc.wait_for_everyone()
+        return final
+
+    def export(self, final_dir: str | os.PathLike, tokenizer: Any = None) -> Path:
+        """Collective: write a Hugging Face model directory (config, safetensors, tokenizer)
+        into a temporary folder, then rename it into place."""
+        final_dir = Path(final_dir)
+        state_dict = self.accelerator.get_state_dict(self.model)  # a collective under ZeRO-3
+        if self.is_main:
+            tmp = final_dir.with_name(f".tmp-{final_dir.name}")
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            self.unwrapped_model.save_pretrained(tmp, state_dict=state_dict)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            if final_dir.exists():
+                shutil.rmtree(final_dir)
+            os.replace(tmp, final_dir)
+        self.accelerator.wait_for_everyone()
+        return final_dir
+
+    def close(self) -> None:
+        """Release the model and tear down the process group without a hang.
+
+        The DDP wrapper's C++ reducer holds the process group, and pybind frees it with the GIL
+        held; if the reducer drops the group's last reference, the gloo destructor joins worker
+        threads that may still be freeing a finished collective's tensors, which needs the GIL,
+        and the rank deadlocks (seen with 2 gloo ranks on a loaded machine: 4 hangs in 16
+        runs). So the wrapped model is released first, while torch.distributed still registers
+        the group; the group then goes with ``destroy_process_group``, whose destructor
+        releases the GIL."""
+        wrapped = weakref.ref(self.model) if self.model is not None else None
+        self.model = self.optimizer = self.scheduler = None
+        self.accelerator.free_memory()
+        gc.collect()
+        if wrapped is not None and wrapped() is not None and self.accelerator.num_processes > 1:
+            print("warning: the wrapped model outlived training; process-group teardown may "
+                  "hang", file=sys.stderr)
+        self.accelerator.end_training()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
