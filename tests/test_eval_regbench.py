@@ -1,5 +1,7 @@
 """RegBench examples, splits, metrics, n-gram baselines and model scoring."""
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
@@ -73,12 +75,14 @@ def test_legal_masks_against_a_slow_reference(data):
     for ex in data.test[:5]:
         np.testing.assert_array_equal(ex.legal_mask(), _slow_legal(ex))
         assert not ex.legal_mask()[:, [rb.PAD, rb.SEP]].any()
-        np.testing.assert_array_equal(ex.scored(), ex.tokens[1:] != rb.SEP)
+        np.testing.assert_array_equal(ex.letter_targets(), ex.tokens[1:] != rb.SEP)
 
 
-def test_oracle_and_uniform_scores(data):
+def test_oracle_and_uniform_scores_count_every_output(data):
+    n_out = sum(len(ex.tokens) - 1 for ex in data.test)
     res = rb.score_predictor(data.test, rb.oracle_probs)
     assert res["accuracy"] == 1.0 and res["tvd"] == pytest.approx(0.0, abs=1e-12)
+    assert res["positions"] == n_out
 
     def uniform(ex):
         p = np.zeros((len(ex.tokens) - 1, rb.VOCAB_SIZE))
@@ -86,15 +90,15 @@ def test_oracle_and_uniform_scores(data):
         return p
 
     res = rb.score_predictor(data.test, uniform)
-    hits = tvd = n = 0
+    hits = tvd = 0
     for ex in data.test:  # argmax of a tie = lowest id = 'a'; TVD = 1 - k/18
-        legal = _slow_legal(ex)[ex.tokens[1:] != rb.SEP]
+        legal = _slow_legal(ex)
         hits += legal[:, 1].sum()
         tvd += (1 - legal.sum(1) / 18).sum()
-        n += len(legal)
-    assert res["positions"] == n
-    assert res["accuracy"] == pytest.approx(hits / n)
-    assert res["tvd"] == pytest.approx(tvd / n)
+    assert res["accuracy"] == pytest.approx(hits / n_out)
+    assert res["tvd"] == pytest.approx(tvd / n_out)
+    n_letters = sum(int((ex.tokens[1:] != rb.SEP).sum()) for ex in data.test)
+    assert res["positions_letters"] == n_letters < n_out
 
 
 def test_score_on_hand_made_rows():
@@ -109,41 +113,115 @@ def test_score_on_hand_made_rows():
         s.add(probs[:1], torch.zeros(1, 4, dtype=torch.bool))
 
 
-def _slow_ngram(tokens, order):
-    toks = list(tokens)
-    out = []
-    for t in range(len(toks) - 1):
-        prefix = toks[: t + 1]
-        for k in range(order - 1, -1, -1):
-            if k > len(prefix):
-                continue
-            ctx = prefix[len(prefix) - k:]
-            counts = np.zeros(rb.VOCAB_SIZE)
-            for i in range(k, len(prefix)):
-                if prefix[i - k: i] == ctx:
-                    counts[prefix[i]] += 1
-            if counts.sum():
-                out.append(counts / counts.sum())
-                break
-    return np.stack(out)
+def _encode(text):
+    return np.array([rb.SEP if c == "|" else rb.LETTERS.index(c) + 1 for c in text])
 
 
-def test_ngram_matches_a_brute_force_count(data):
+def _ngram(prefix, n):
+    """{letter: p} of the order-n estimator after ``prefix`` (nonzero entries only)."""
+    model = rb.InContextNgram(n)
+    for tok in _encode(prefix):
+        model.add(int(tok))
+    p = model.probs()
+    assert p[rb.PAD] == 0 and p[rb.SEP] == 0
+    return {rb.LETTERS[i - 1]: float(p[i]) for i in range(1, 19) if p[i]}
+
+
+def _assert_dist(got, want):
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k] == pytest.approx(want[k], abs=1e-12), k
+
+
+def test_ngram_first_position_and_empty_vocabulary():
+    for n in (1, 2, 3, 4):
+        assert not rb.InContextNgram(n).probs().any()  # nothing seen: no letter gets mass
+        assert not any(_ngram("|", n).values())
+        _assert_dist(_ngram("a", n), {"a": 1.0})
+
+
+def test_ngram_back_off_is_shared_in_proportion_to_the_lower_order():
+    # "_ab _cdd _a": c(a) = 2 (one trailing), c(ab) = 1, so b gets 1/2; the other 1/2 goes
+    # to the unseen a, c, d in proportion to unigrams 2 : 1 : 2
+    _assert_dist(_ngram("ab|cdd|a", 2), {"b": 0.5, "a": 0.2, "c": 0.1, "d": 0.2})
+    # nothing ever followed c: all mass to the unigrams renormalised over the vocabulary
+    _assert_dist(_ngram("aabc|c", 2), {"a": 0.4, "b": 0.2, "c": 0.4})
+    # "__ca __bcd __c": p2(.|c) = a 1/3, d 1/3, then 1/3 on b, c as unigrams 1 : 3;
+    # p3(.|_c): c(_c) = 2, c(_ca) = 1 so a 1/2; b, c, d share 1/2 as p2 = 1/12 : 3/12 : 4/12
+    _assert_dist(_ngram("ca|bcd|c", 3), {"a": 0.5, "b": 1 / 16, "c": 3 / 16, "d": 0.25})
+
+
+def test_ngram_rows_sum_below_one_without_unseen_letters():
+    # c(a) = 3 counts the trailing a; c(aa) = 1; no unseen letter takes the other 2/3
+    _assert_dist(_ngram("aa|a", 2), {"a": 1 / 3})
+    _assert_dist(_ngram("abba|b", 2), {"a": 1 / 3, "b": 1 / 3})
+
+
+def test_ngram_context_after_separator_is_the_padding():
+    # right after "|" the context is all "_"; c(__) = 3 includes the empty current string
+    _assert_dist(_ngram("ab|ba|", 2), {"a": 1 / 3, "b": 1 / 3})
+    _assert_dist(_ngram("ab|ba|", 3), {"a": 1 / 3, "b": 1 / 3})
+    _assert_dist(_ngram("ab|ab|ba|", 4), {"a": 0.5, "b": 0.25})
+    _assert_dist(_ngram("ab|", 4), {"a": 0.5, "b": 0.5})
+
+
+def test_ngram_unigrams_count_the_padding():
+    model = rb.InContextNgram(3)
+    for tok in _encode("ab|c"):  # "__ab __c": 4 pads + 3 letters
+        model.add(int(tok))
+    p1, p2, p3 = model.orders()
+    np.testing.assert_allclose(p1[1:4], 1 / 7)
+    assert p1.sum() == pytest.approx(3 / 7)
+    assert p2[1:4].sum() == pytest.approx(1.0) and p3.sum() == pytest.approx(1.0)
+
+
+def _reference_ngram(prefix, n):
+    """The estimator written out from scratch on the whole prefix (no incremental counts)."""
+    padded = [["_"] * (n - 1) + list(s) for s in prefix.split("|")]
+    grams = Counter(tuple(s[i: i + k]) for s in padded for k in range(1, n + 1)
+                    for i in range(len(s) - k + 1))
+    vocab = sorted(set(prefix) - {"|"})
+    total = sum(c for g, c in grams.items() if len(g) == 1)
+    p = {v: grams[(v,)] / total for v in vocab}
+    cur = padded[-1]
+    for k in range(2, n + 1):
+        h = tuple(cur[len(cur) - k + 1:])
+        q = {v: grams[h + (v,)] / grams[h] for v in vocab if grams[h + (v,)]}
+        unseen = [v for v in vocab if v not in q]
+        rest, z = 1 - sum(q.values()), sum(p[v] for v in unseen)
+        q.update({v: rest * p[v] / z for v in unseen})
+        p = q
+    return p
+
+
+def test_ngram_matches_the_estimator_written_from_scratch(data):
     rng = np.random.default_rng(0)
-    seqs = [rng.integers(1, 5, size=40), data.test[0].tokens[:120]]
+    seqs = [data.test[0].tokens[:150]]
+    for _ in range(3):
+        seq = rng.integers(1, 6, size=60)
+        seq[rng.random(60) < 0.2] = rb.SEP
+        seq[0] = 1
+        seqs.append(seq)
     for tokens in seqs:
-        for order in (1, 2, 3):
-            np.testing.assert_allclose(rb.ngram_probs(tokens, order), _slow_ngram(tokens, order))
-    seq = np.array([1, 2, rb.SEP, 1, 2])  # "ab|ab"; row 3 predicts from "ab|a"
-    assert rb.ngram_probs(seq, 2)[3, 2] == 1.0
-    assert rb.ngram_probs(seq, 3)[3, 2] == 1.0  # "|a" is new: backs off to "a"
-    np.testing.assert_allclose(rb.ngram_probs(seq, 2)[2, [1, 2, rb.SEP]], 1 / 3)  # unigram
+        for n in (1, 2, 3, 4):
+            got = rb.ngram_probs(tokens, n)
+            assert got.shape == (len(tokens) - 1, rb.VOCAB_SIZE)
+            for t in range(len(tokens) - 1):
+                want = np.zeros(rb.VOCAB_SIZE)
+                for c, v in _reference_ngram(rb.decode(tokens[: t + 1]), n).items():
+                    want[rb.LETTERS.index(c) + 1] = v
+                np.testing.assert_allclose(got[t], want, atol=1e-12, err_msg=f"n={n} t={t}")
 
 
 def test_baselines_are_between_uniform_and_oracle(data):
     res = rb.baseline_scores(data.test)
+    assert list(res) == ["oracle", "2-gram", "3-gram", "4-gram"]
     assert res["oracle"]["accuracy"] == 1.0
-    assert 0.5 < res["2-gram"]["accuracy"] < 1.0
+    n_out = sum(len(ex.tokens) - 1 for ex in data.test)
+    for name in ("2-gram", "3-gram", "4-gram"):
+        assert res[name]["positions"] == n_out
+        assert 0.5 < res[name]["accuracy"] < 1.0 and 0.0 < res[name]["tvd"] < 0.5
+    assert res["3-gram"]["accuracy"] > res["2-gram"]["accuracy"]
     assert res["3-gram"]["tvd"] < res["2-gram"]["tvd"]
 
 
@@ -157,23 +235,49 @@ def test_collate_masks_separators_and_padding(data):
     assert bool((labels[letters] == ids[letters]).all())
 
 
-class _OracleLM(torch.nn.Module):
-    """Returns log of the true next-symbol distribution (looked up by the unpadded tokens)."""
+class _TableLM(torch.nn.Module):
+    """Logits = log of ``probs(example)`` looked up by the unpadded tokens; -30 on padding."""
 
-    def __init__(self, examples):
+    def __init__(self, examples, probs):
         super().__init__()
         self.table = {tuple(e.tokens.tolist()): e for e in examples}
+        self.probs = probs
 
     def forward(self, input_ids):
         logits = torch.full((*input_ids.shape, rb.VOCAB_SIZE), -30.0)
         for b, row in enumerate(input_ids.tolist()):
             n = len(row) - row[::-1].index(next(x for x in row[::-1] if x != rb.PAD))
             ex = self.table[tuple(row[:n])]
-            logits[b, : n - 1] = torch.log(torch.from_numpy(rb.oracle_probs(ex)) + 1e-13)
+            logits[b, : n - 1] = torch.log(torch.from_numpy(self.probs(ex)) + 1e-13)
         return type("Out", (), {"logits": logits})()
 
 
-def test_evaluate_model_aligns_positions(data):
-    res = rb.evaluate_model(_OracleLM(data.test), data.test, batch_size=3)
+def _all_on_sep(ex):
+    p = np.zeros((len(ex.tokens) - 1, rb.VOCAB_SIZE))
+    p[:, rb.SEP] = 1.0
+    return p
+
+
+def _oracle_but_sep_at_sep_targets(ex):
+    p = rb.oracle_probs(ex)
+    p[~ex.letter_targets()] = _all_on_sep(ex)[~ex.letter_targets()]
+    return p
+
+
+def test_evaluate_model_scores_every_output_and_no_padding(data):
+    n_out = sum(len(e.tokens) - 1 for e in data.test)
+    n_letters = sum(int(e.letter_targets().sum()) for e in data.test)
+    res = rb.evaluate_model(_TableLM(data.test, rb.oracle_probs), data.test, batch_size=3)
     assert res["accuracy"] == 1.0 and res["tvd"] < 1e-6
-    assert res["positions"] == sum(int(e.scored().sum()) for e in data.test)
+    assert res["positions"] == n_out and res["positions_letters"] == n_letters < n_out
+
+    res = rb.evaluate_model(_TableLM(data.test, _all_on_sep), data.test, batch_size=3)
+    assert res["accuracy"] == 0.0 and res["tvd"] == pytest.approx(1.0, abs=1e-6)
+    assert res["positions"] == n_out
+
+    # right on letter targets, all mass on "|" where "|" comes next: those count as wrong
+    res = rb.evaluate_model(_TableLM(data.test, _oracle_but_sep_at_sep_targets), data.test,
+                            batch_size=3)
+    assert res["accuracy_letters"] == 1.0 and res["tvd_letters"] < 1e-6
+    assert res["accuracy"] == pytest.approx(n_letters / n_out)
+    assert res["tvd"] == pytest.approx(1 - n_letters / n_out, abs=1e-6)

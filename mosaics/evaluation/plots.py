@@ -21,6 +21,9 @@ def _save(fig, path: str | Path) -> Path:  # noqa: ANN001
     return path
 
 
+_BASELINE_STYLES = ["-", "--", "-.", ":", (0, (5, 1, 1, 1))]  # oracle, 2-, 3-, 4-gram
+
+
 def plot_regbench(results: dict[str, Any], path: str | Path) -> Path:
     """Accuracy and TVD against the number of training automata; baselines as dashed lines."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -30,7 +33,8 @@ def plot_regbench(results: dict[str, Any], path: str | Path) -> Path:
             pts = sorted((r["size"], r[metric]) for r in runs if r["label"] == label)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         for i, (name, r) in enumerate(results["baselines"].items()):
-            ax.axhline(r[metric], linestyle="--", color=f"C{7 + i}", label=name, linewidth=1)
+            ax.axhline(r[metric], linestyle=_BASELINE_STYLES[i % len(_BASELINE_STYLES)],
+                       color="0.35", label=name, linewidth=1)
         ax.set_xscale("log")
         ax.set_xlabel("training automata")
         ax.set_ylabel(metric)

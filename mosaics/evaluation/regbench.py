@@ -2,23 +2,25 @@
 
 Each example is one random automaton (see :mod:`.automata`) shown through 10-19 random
 walks from its start state joined by ``|``. Tokens: ``.`` (pad) 0, letters a..r 1..18,
-``|`` 19; no BOS/EOS.
+``|`` 19; no BOS/EOS. The training loss ignores ``|`` targets and padding.
 
-Scored positions: position t (0 <= t < T-1) predicts token t+1 and is scored iff that
-target is a letter (the positions whose target is ``|`` or padding are not scored; the
-loss ignores them too). The current state at t is the state reached by the letters since
-the last ``|`` (the start state right after ``|``). With L the legal next letters of that
-state and p the model's next-token distribution over the 20 tokens:
+Scoring (the paper's): every one of the T-1 outputs of an example is scored, position t
+predicting token t+1, including the positions whose target is ``|``. The current state at
+t is the state reached by the letters since the last ``|`` (the start state right after
+``|`` and at the start). With L_t the legal next letters of that state and p_t the model's
+next-token distribution over its whole vocabulary:
 
     accuracy = mean_t [argmax_v p_t(v) in L_t]
     TVD      = mean_t 1/2 sum_v |p_t(v) - q_t(v)|,  q_t uniform on L_t (0 on ``|`` and ``.``)
 
-pooled over all scored positions of all test examples.
+pooled over all positions of all test examples (a micro-average). ``*_letters`` keys give
+the same averages over the positions whose target is a letter only.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -50,8 +52,8 @@ class Example:
         """(T-1, 20) bool: legal next tokens at each position (letters of the current state)."""
         return legal_masks(self.dfa, self.tokens)
 
-    def scored(self) -> np.ndarray:
-        """(T-1,) bool: positions whose target is a letter."""
+    def letter_targets(self) -> np.ndarray:
+        """(T-1,) bool: positions whose target is a letter (not ``|``)."""
         nxt = self.tokens[1:]
         return (nxt != PAD) & (nxt != SEP)
 
@@ -161,10 +163,11 @@ def collate(examples: Sequence[Example]) -> dict[str, Tensor]:
 
 
 class Score:
-    """Running accuracy and TVD over scored positions.
+    """Running accuracy and TVD over a set of positions.
 
     ``add(probs, legal)``: probs (N, V) next-token distributions, legal (N, V) bool legal sets.
-    Ties in the argmax go to the lowest token id.
+    accuracy = mean [argmax p in legal] (ties go to the lowest token id);
+    TVD = mean 1/2 sum_v |p(v) - q(v)|, q uniform on the legal set.
     """
 
     def __init__(self) -> None:
@@ -193,13 +196,34 @@ class Score:
         return {"accuracy": self.correct / self.n, "tvd": self.tvd / self.n, "positions": self.n}
 
 
+class RegBenchScore:
+    """The paper's scores over all T-1 outputs, plus the letter-target-only variant.
+
+    ``result()``: ``accuracy``, ``tvd``, ``positions`` (all outputs) and ``accuracy_letters``,
+    ``tvd_letters``, ``positions_letters`` (positions whose target is a letter).
+    """
+
+    def __init__(self) -> None:
+        self.all = Score()
+        self.letters = Score()
+
+    def add(self, probs: Tensor, legal: Tensor, letter_target: Tensor) -> None:
+        """probs, legal (N, V) for the N = T-1 outputs of one example; letter_target (N,) bool."""
+        self.all.add(probs, legal)
+        self.letters.add(probs[letter_target], legal[letter_target])
+
+    def result(self) -> dict[str, float]:
+        out = self.all.result()
+        out.update({f"{k}_letters": v for k, v in self.letters.result().items()})
+        return out
+
+
 def score_predictor(examples: Sequence[Example], predict) -> dict[str, float]:
-    """Score ``predict(example) -> (T-1, V) probs`` on the scored positions of ``examples``."""
-    score = Score()
+    """Score ``predict(example) -> (T-1, V) probs`` on every output of ``examples``."""
+    score = RegBenchScore()
     for ex in examples:
-        keep = torch.from_numpy(ex.scored())
         probs = torch.as_tensor(predict(ex))
-        score.add(probs[keep], torch.from_numpy(ex.legal_mask())[keep])
+        score.add(probs, torch.from_numpy(ex.legal_mask()), torch.from_numpy(ex.letter_targets()))
     return score.result()
 
 
@@ -209,51 +233,129 @@ def oracle_probs(ex: Example) -> np.ndarray:
     return legal / np.maximum(legal.sum(-1, keepdims=True), 1.0)
 
 
-def ngram_probs(tokens: np.ndarray, order: int, vocab_size: int = VOCAB_SIZE) -> np.ndarray:
-    """(T-1, V) in-context n-gram predictions with back-off.
+STRING_PAD = -1  # ``_``: the left padding of every string in the n-gram counts
 
-    Row t is estimated from the example's own prefix tokens[0..t]: the counts of the tokens
-    that followed earlier occurrences of the last ``order - 1`` tokens, normalised; if that
-    context never occurred, back off to order - 1, down to the prefix's unigram counts.
-    ``|`` is an ordinary token here (so ``|`` as context predicts the start state's letters).
+
+class InContextNgram:
+    """The reference in-context n-gram estimator, counting one prefix incrementally.
+
+    The prefix is split on ``|`` into strings (the current, possibly empty, one included);
+    each string is left-padded with n-1 ``_`` and every k-gram, k = 1..n, is counted, pads
+    included. The vocabulary is the letters seen so far. With h_k the last k-1 symbols of the
+    padded current string (h_1 empty):
+
+        p_1(v) = c(v) / (sum of all unigram counts, ``_`` included)
+        p_k(v) = c(h_k v) / c(h_k)                                   if c(h_k v) > 0
+               = (1 - sum_{u: c(h_k u) > 0} p_k(u)) p_{k-1}(v) / sum_{u in U} p_{k-1}(u)
+                                                                     for v in U
+
+    where U is the vocabulary letters with c(h_k v) = 0, and c(h_k) counts every occurrence of
+    h_k, its trailing one in the current string included (so a row may sum below 1 when U is
+    empty). No smoothing; ``|``, ``.`` and unseen letters get 0.
     """
-    if order < 1:
-        raise ValueError(f"n-gram order must be >= 1, got {order}")
-    toks = [int(x) for x in tokens]
-    counts: list[dict[tuple[int, ...], np.ndarray]] = [{} for _ in range(order)]
-    out = np.zeros((max(len(toks) - 1, 0), vocab_size))
-    for t in range(len(toks) - 1):
-        for k in range(order):  # k = context length; add the n-gram ending at t
-            if t - k >= 0:
-                ctx = tuple(toks[t - k: t])
-                counts[k].setdefault(ctx, np.zeros(vocab_size))[toks[t]] += 1
-        for k in range(order - 1, -1, -1):
-            if t + 1 - k < 0:
-                continue
-            c = counts[k].get(tuple(toks[t + 1 - k: t + 1]))
-            if c is not None:
-                out[t] = c / c.sum()
-                break
+
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"n-gram order must be >= 1, got {n}")
+        self.n = n
+        self.count: dict[tuple[int, ...], int] = defaultdict(int)  # c(g), len(g) < n
+        self.follow: dict[tuple[int, ...], np.ndarray] = {}  # follow[h][v] = c(h v), v a letter
+        self.vocab = np.zeros(VOCAB_SIZE, dtype=bool)
+        self.current: list[int] = []
+        self._new_string()
+
+    def _new_string(self) -> None:
+        self.current = []
+        for _ in range(self.n - 1):
+            self._push(STRING_PAD)
+
+    def _push(self, sym: int) -> None:
+        """Append ``sym`` to the current string and count the k-grams ending with it."""
+        cur = self.current
+        cur.append(sym)
+        self.count[()] += 1
+        for k in range(1, min(self.n, len(cur)) + 1):
+            gram = tuple(cur[len(cur) - k:])
+            if k < self.n:
+                self.count[gram] += 1
+            if sym != STRING_PAD:
+                row = self.follow.get(gram[:-1])
+                if row is None:
+                    row = self.follow[gram[:-1]] = np.zeros(VOCAB_SIZE)
+                row[sym] += 1
+
+    def add(self, token: int) -> None:
+        """Extend the prefix by one token (``|`` starts a new string)."""
+        if token == SEP:
+            self._new_string()
+        elif 1 <= token <= N_LETTERS:
+            self.vocab[token] = True
+            self._push(token)
+        else:
+            raise ValueError(f"token {token} is not a letter or '|'")
+
+    def context(self, k: int) -> tuple[int, ...]:
+        """h_k: the last k-1 symbols of the padded current string."""
+        return tuple(self.current[len(self.current) - (k - 1):]) if k > 1 else ()
+
+    def orders(self) -> list[np.ndarray]:
+        """[p_1, ..., p_n], each (V,), for the next token after the prefix."""
+        total = self.count[()]
+        p = self.follow.get((), np.zeros(VOCAB_SIZE)) / max(total, 1)
+        out = [p]
+        for k in range(2, self.n + 1):
+            h = self.context(k)
+            p = self._back_off(self.follow.get(h), self.count[h], p)
+            out.append(p)
+        return out
+
+    def probs(self) -> np.ndarray:
+        """(V,) p_n: the estimator's next-token distribution."""
+        return self.orders()[-1]
+
+    def _back_off(self, follow: np.ndarray | None, c_h: int, lower: np.ndarray) -> np.ndarray:
+        """c(h v) / c(h) on seen letters; the rest of the mass on unseen ones as ``lower``."""
+        p = np.zeros(VOCAB_SIZE) if follow is None else follow / c_h
+        share = np.where(self.vocab & (p == 0), lower, 0.0)
+        total = share.sum()
+        if total > 0:
+            p = p + (1.0 - p.sum()) * share / total
+        return p
+
+
+def ngram_probs(tokens: np.ndarray, n: int) -> np.ndarray:
+    """(T-1, V): row t is :class:`InContextNgram` (order n) on the prefix tokens[0..t]."""
+    model = InContextNgram(n)
+    out = np.zeros((max(len(tokens) - 1, 0), VOCAB_SIZE))
+    for t in range(len(tokens) - 1):
+        model.add(int(tokens[t]))
+        out[t] = model.probs()
     return out
 
 
+NGRAM_ORDERS = (2, 3, 4)
+
+
 def baseline_scores(examples: Sequence[Example]) -> dict[str, dict[str, float]]:
-    """Oracle, in-context 2-gram and 3-gram (with back-off), scored by :class:`Score`."""
-    return {
-        "oracle": score_predictor(examples, oracle_probs),
-        "2-gram": score_predictor(examples, lambda ex: ngram_probs(ex.tokens, 2)),
-        "3-gram": score_predictor(examples, lambda ex: ngram_probs(ex.tokens, 3)),
-    }
+    """Oracle and the in-context 2-, 3- and 4-gram rows, scored like a model."""
+    out = {"oracle": score_predictor(examples, oracle_probs)}
+    for n in NGRAM_ORDERS:
+        out[f"{n}-gram"] = score_predictor(examples, lambda ex, n=n: ngram_probs(ex.tokens, n))
+    return out
 
 
 @torch.no_grad()
 def evaluate_model(model: torch.nn.Module, examples: Sequence[Example], batch_size: int = 32,
                    device: str | torch.device = "cpu", progress: bool = False) -> dict[str, float]:
-    """Accuracy and TVD of a causal LM (``model(input_ids).logits``, (B, T, V)) on ``examples``."""
+    """Accuracy and TVD of a causal LM (``model(input_ids).logits``, (B, T, V)) on ``examples``.
+
+    Every one of the T-1 outputs of each example is scored (padding beyond it is not); see
+    :class:`RegBenchScore` for the keys.
+    """
     from tqdm.auto import tqdm
 
     model.eval()
-    score = Score()
+    score = RegBenchScore()
     order = sorted(range(len(examples)), key=lambda i: len(examples[i].tokens))
     batches = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
     for idx in tqdm(batches, desc="regbench eval", disable=not progress, leave=False):
@@ -265,8 +367,7 @@ def evaluate_model(model: torch.nn.Module, examples: Sequence[Example], batch_si
         probs = torch.softmax(logits, dim=-1).cpu()  # mass on extra ids counts in the TVD
         extra = logits.shape[-1] - VOCAB_SIZE
         for b, ex in enumerate(chunk):
-            t = len(ex.tokens)
-            keep = torch.from_numpy(ex.scored())
             legal = torch.nn.functional.pad(torch.from_numpy(ex.legal_mask()), (0, extra))
-            score.add(probs[b, : t - 1][keep], legal[keep])
+            score.add(probs[b, : len(ex.tokens) - 1], legal,
+                      torch.from_numpy(ex.letter_targets()))
     return score.result()
