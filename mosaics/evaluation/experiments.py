@@ -252,7 +252,7 @@ def regbench_table(results: dict[str, Any]) -> str:
     sizes = sorted({r["size"] for r in runs if r["size"] is not None})
     labels = list(dict.fromkeys(r["label"] for r in runs))
     head = f"{'model':<28}{'params':>9}" + "".join(f"{f'n={s}':>18}" for s in sizes or ["-"])
-    lines = ["accuracy / TVD on the test automata (scored positions: all T-1 outputs per example)", head]
+    lines = ["accuracy / TVD on the test automata (scored: all T-1 outputs per example)", head]
     for label in labels:
         mine = [r for r in runs if r["label"] == label]
         cells = []
