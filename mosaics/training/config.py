@@ -44,6 +44,7 @@ class TrainConfig:
     data_seed: int = 0
     data_num_proc: int = 1
     text_column: str = "text"
+    skip_malformed: bool = False  # skip (and count) unreadable JSON lines instead of stopping
 
     # model
     model_type: str = "mosaics"

@@ -25,6 +25,7 @@ def load_data(cfg: TrainConfig, accelerator: Accelerator) -> Any:
     kwargs: dict[str, Any] = dict(source=cfg.data_source, vocab_size=cfg.vocab_size,
                                   val_fraction=cfg.val_fraction, seed=cfg.data_seed,
                                   num_proc=cfg.data_num_proc, text_column=cfg.text_column,
+                                  skip_malformed=cfg.skip_malformed,
                                   num_train_stories=cfg.num_train_stories,
                                   num_val_stories=cfg.num_val_stories)
     if cfg.tokenizer is not None:
