@@ -88,8 +88,11 @@ def train(cfg: TrainConfig) -> TrainResult:
     accum = trainer.accumulation
     if main:
         n_params = count_parameters(trainer.unwrapped_model) / 1e6
+        backend = (torch.distributed.get_backend() if torch.distributed.is_available()
+                   and torch.distributed.is_initialized() else "none")
         print(f"{cfg.model_type}: {n_params:.2f}M parameters | {world} process(es), "
-              f"{accelerator.distributed_type}, precision {accelerator.mixed_precision} | "
+              f"{accelerator.distributed_type}, backend {backend}, precision "
+              f"{accelerator.mixed_precision} | "
               f"global batch {cfg.batch_size * accum * world} x {cfg.block_size} = "
               f"{cfg.batch_size * accum * world * cfg.block_size} tokens per step "
               f"({accum} micro-batch(es) of {cfg.batch_size} per process)", file=sys.stderr)

@@ -466,14 +466,16 @@ class Trainer:
         and the rank deadlocks (seen with 2 gloo ranks on a loaded machine: 4 hangs in 16
         runs). So the wrapped model is released first, while torch.distributed still registers
         the group; the group then goes with ``destroy_process_group``, whose destructor
-        releases the GIL."""
+        releases the GIL. (A DeepSpeed engine holds no reducer; ZeRO-3's parameter hooks keep
+        it alive until exit, which is harmless.)"""
         wrapped = weakref.ref(self.model) if self.model is not None else None
         self.model = self.optimizer = self.scheduler = None
         self.accelerator.free_memory()
         gc.collect()
-        if wrapped is not None and wrapped() is not None and self.accelerator.num_processes > 1:
-            print("warning: the wrapped model outlived training; process-group teardown may "
-                  "hang", file=sys.stderr)
+        survivor = wrapped() if wrapped is not None else None
+        if isinstance(survivor, torch.nn.parallel.DistributedDataParallel):  # holds the group
+            print("warning: the DDP-wrapped model outlived training; process-group teardown "
+                  "may hang", file=sys.stderr)
         self.accelerator.end_training()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
