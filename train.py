@@ -10,10 +10,16 @@ multi-process (accelerate, torchrun) and DeepSpeed launches.
 
 from __future__ import annotations
 
+import os
 import sys
 
-from mosaics.errors import InputError
-from mosaics.training import config_from_argv, train
+import torch
+
+if not torch.cuda.is_available():  # DeepSpeed otherwise warns on import that it found no GPU
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from mosaics.errors import InputError  # noqa: E402
+from mosaics.training import config_from_argv, train  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

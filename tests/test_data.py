@@ -256,6 +256,24 @@ def test_ranks_draw_different_slices_of_one_global_batch():
         assert torch.equal(torch.cat([r0, r1]), whole.batch(step)["input_ids"])
 
 
+def test_a_steps_windows_do_not_depend_on_the_split():
+    tokens = np.arange(5000, dtype=np.uint16)
+    whole = RandomWindowBatches(tokens, 8, batch_size=8, seed=1)
+    for step in (0, 3):
+        expect = whole.batch(step)["input_ids"]
+        ranks = [RandomWindowBatches(tokens, 8, batch_size=2, seed=1, rank=r, world_size=2,
+                                     accumulation=2) for r in (0, 1)]
+        parts = [ranks[r].batch(step * 2 + k)["input_ids"] for k in (0, 1) for r in (0, 1)]
+        assert torch.equal(torch.cat(parts), expect)
+        micro = RandomWindowBatches(tokens, 8, batch_size=4, seed=1, accumulation=2)
+        assert torch.equal(torch.cat([micro.batch(step * 2 + k)["input_ids"] for k in (0, 1)]),
+                           expect)
+    state = whole.state_dict()
+    ranks[0].load_state_dict(state)  # same global batch, other split: accepted
+    with pytest.raises(DataError, match="global_rows=8, this run has global_rows=4"):
+        RandomWindowBatches(tokens, 8, batch_size=4, seed=1).load_state_dict(state)
+
+
 def test_window_state_refuses_another_stream_or_seed():
     tokens = np.arange(3000, dtype=np.uint16)
     ds = RandomWindowBatches(tokens, 12, batch_size=3, seed=2)

@@ -90,7 +90,8 @@ def single_process(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("dist")
     settings = dict(TINY, data_cache_dir=str(base / "cache"))
-    train(load_config(None, dict(settings, run_dir=str(base / "single"), batch_size=4)))
+    train(load_config(None, dict(settings, run_dir=str(base / "single"), batch_size=4,
+                                 checkpoint_interval=6)))
     return base, settings, _metrics(base / "single")
 
 
@@ -106,12 +107,67 @@ def test_two_gloo_ranks_match_one_process(single_process) -> None:
     run_dir = base / "ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "2", str(ROOT / "train.py"), *(f"{k}={v}" for k, v in settings.items()),
-           f"run_dir={run_dir}", "batch_size=2"]
+           f"run_dir={run_dir}", "batch_size=2", "checkpoint_interval=6"]
     env = dict(_env(), ACCELERATE_USE_CPU="1")
     code, err = _run(cmd, env, timeout=300, run_dir=run_dir)
     assert code == 0, err[-3000:]
-    assert "2 process(es), DistributedType.MULTI_CPU" in err
+    assert "2 process(es), DistributedType.MULTI_CPU, backend gloo" in err
+    assert "warning" not in err.lower()
     _check_same(reference, _metrics(run_dir))
+
+
+def _resume_copy(source: Path, target: Path) -> None:
+    import shutil
+
+    from mosaics.training import checkpoint as ckpt
+
+    saved = ckpt.latest_checkpoint(source)
+    assert saved is not None and saved.name == "step_0000006"
+    shutil.copytree(saved, ckpt.checkpoint_root(target) / saved.name)
+
+
+def _steps_after_six(run_dir: Path, reference: dict) -> None:
+    resumed = _metrics(run_dir)
+    assert {s for s, _ in resumed} == set(range(7, 13))
+    for key, value in resumed.items():
+        assert value == pytest.approx(reference[key], abs=1e-4, rel=0), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", [dict(batch_size=4), dict(batch_size=2,
+                                                            gradient_accumulation_steps=2)])
+def test_two_rank_checkpoint_resumes_on_one_process(single_process, split, capsys) -> None:
+    """Written by 2 gloo ranks (2 windows each), resumed by 1 process with the same global
+    batch of 4 windows (as one batch, or 2 micro-batches of 2)."""
+    from mosaics.training import train
+
+    base, settings, reference = single_process
+    written = base / "ddp"
+    if not (written / "checkpoints").is_dir():
+        pytest.skip("needs test_two_gloo_ranks_match_one_process")
+    run_dir = base / f"ddp_to_1_{split['batch_size']}"
+    _resume_copy(written, run_dir)
+    capsys.readouterr()
+    train(load_config(None, dict(settings, run_dir=str(run_dir), resume=True, **split)))
+    assert "on 1 process(es), written by 2 (same global batch" in capsys.readouterr().err
+    _steps_after_six(run_dir, reference)
+    with pytest.raises(ValueError, match="global_rows=4, this run has global_rows=2"):
+        train(load_config(None, dict(settings, run_dir=str(run_dir), resume=True,
+                                     batch_size=2)))
+
+
+@pytest.mark.slow
+def test_one_process_checkpoint_resumes_on_two_ranks(single_process) -> None:
+    base, settings, reference = single_process
+    run_dir = base / "one_to_ddp"
+    _resume_copy(base / "single", run_dir)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", str(ROOT / "train.py"), *(f"{k}={v}" for k, v in settings.items()),
+           f"run_dir={run_dir}", "batch_size=2", "resume=true"]
+    code, err = _run(cmd, dict(_env(), ACCELERATE_USE_CPU="1"), timeout=300, run_dir=run_dir)
+    assert code == 0, err[-3000:]
+    assert "on 2 process(es), written by 1" in err
+    _steps_after_six(run_dir, reference)
 
 
 @pytest.mark.slow

@@ -181,10 +181,18 @@ def test_checkpoint_roundtrip_restores_weights_optimizer_and_rng(tmp_path: Path)
     a, b = opt.state_dict()["state"], other_opt.state_dict()["state"]
     assert all(torch.equal(a[i]["exp_avg_sq"], b[i]["exp_avg_sq"]) for i in a)
     path = ckpt.latest_checkpoint(tmp_path)
-    with pytest.raises(ValueError, match="written by 1 processes; resume with the same number"):
-        ckpt.load_checkpoint(path, other, other_opt, other_sched, 0, world_size=2)
+    # another process count: weights and optimizer load, the per-process RNG does not
+    torch.manual_seed(123)
+    after = torch.rand(4)
+    torch.manual_seed(123)
+    ckpt.load_checkpoint(path, other, other_opt, other_sched, 1, world_size=2)
+    assert torch.equal(torch.rand(4), after)
     with pytest.raises(ValueError, match="written by a DDP or one process run"):
         ckpt.load_deepspeed_checkpoint(path, None, other_sched, 0, world_size=1)
+    state = json.loads((path / "trainer_state.json").read_text())
+    (path / "trainer_state.json").write_text(json.dumps(dict(state, deepspeed=True)))
+    with pytest.raises(ValueError, match="partitioned over 1 processes and this run has 2"):
+        ckpt.load_deepspeed_checkpoint(path, None, other_sched, 0, world_size=2)
 
 
 # --- end to end ---------------------------------------------------------------------------------

@@ -148,11 +148,14 @@ def _generator(seed: int, step: int) -> np.random.Generator:
 class RandomWindowBatches:
     """Batches of ``block_size``-token windows at uniformly random offsets of a token stream.
 
-    Batch ``step`` is a pure function of (seed, step): offsets for the *global* batch of
-    ``batch_size * world_size`` windows are drawn from ``PCG64([seed, step])`` and rank ``r``
-    takes rows ``[r * batch_size, (r + 1) * batch_size)``. So ranks get different windows, the
-    global batch does not depend on how it is split over ranks, and resuming at any step is
-    exact. Labels equal ``input_ids`` (the model shifts them).
+    The windows of optimizer step ``s`` are a pure function of (seed, s, global batch): the
+    ``batch_size * world_size * accumulation`` offsets of the step are drawn from
+    ``PCG64([seed, s])``, and micro-batch ``k`` of rank ``r`` takes rows
+    ``[(k * world_size + r) * batch_size, ... + batch_size)``. So ranks get different windows,
+    a step's global batch is the same however it is split over processes and micro-batches
+    (2 ranks x 8 == 1 rank x 16 == 1 rank x 2 micro-batches of 8), and resuming at any step,
+    on any number of processes with the same global batch, is exact. Labels equal
+    ``input_ids`` (the model shifts them).
     """
 
     def __init__(
@@ -163,6 +166,7 @@ class RandomWindowBatches:
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        accumulation: int = 1,
     ):
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
@@ -173,31 +177,41 @@ class RandomWindowBatches:
             )
         if not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world={world_size}")
-        if block_size < 1 or batch_size < 1:
-            raise ValueError("block_size and batch_size must be >= 1")
+        if block_size < 1 or batch_size < 1 or accumulation < 1:
+            raise ValueError("block_size, batch_size and accumulation must be >= 1")
         self.tokens = tokens
         self.block_size = block_size
         self.batch_size = batch_size
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
+        self.accumulation = accumulation
+
+    @property
+    def global_rows(self) -> int:
+        """Windows per optimizer step, all processes and micro-batches together."""
+        return self.batch_size * self.world_size * self.accumulation
 
     @property
     def num_offsets(self) -> int:
         """Number of distinct window starts: len(tokens) - block_size + 1."""
         return len(self.tokens) - self.block_size + 1
 
-    def offsets(self, step: int) -> np.ndarray:
-        """(batch_size,) start offsets of this rank's windows at ``step``."""
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
+    def offsets(self, index: int) -> np.ndarray:
+        """(batch_size,) start offsets of this rank's micro-batch ``index``
+        (= optimizer step * accumulation + micro-batch)."""
+        if index < 0:
+            raise ValueError(f"index must be >= 0, got {index}")
+        step, micro = divmod(index, self.accumulation)
         g = _generator(self.seed, step)
-        all_offsets = g.integers(0, self.num_offsets, size=self.batch_size * self.world_size)
-        return all_offsets[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+        all_offsets = g.integers(0, self.num_offsets, size=self.global_rows)
+        first = (micro * self.world_size + self.rank) * self.batch_size
+        return all_offsets[first : first + self.batch_size]
 
-    def batch(self, step: int) -> dict[str, torch.Tensor]:
-        """This rank's batch at ``step``: input_ids and labels, (batch_size, block_size) int64."""
-        idx = self.offsets(step)[:, None] + np.arange(self.block_size)[None, :]
+    def batch(self, index: int) -> dict[str, torch.Tensor]:
+        """This rank's micro-batch ``index``: input_ids and labels, (batch_size, block_size)
+        int64."""
+        idx = self.offsets(index)[:, None] + np.arange(self.block_size)[None, :]
         x = torch.from_numpy(np.asarray(self.tokens[idx], dtype=np.int64))
         return {"input_ids": x, "labels": x.clone()}
 
@@ -206,20 +220,24 @@ class RandomWindowBatches:
         return {
             "seed": self.seed,
             "block_size": self.block_size,
-            "batch_size": self.batch_size,
-            "rank": self.rank,
-            "world_size": self.world_size,
+            "global_rows": self.global_rows,
             "num_tokens": len(self.tokens),
+            "batch_size": self.batch_size,
+            "world_size": self.world_size,
+            "accumulation": self.accumulation,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Refuse a state written for a different stream or sampler setup."""
-        for k in ("seed", "block_size", "batch_size", "world_size", "num_tokens"):
-            mine = len(self.tokens) if k == "num_tokens" else getattr(self, k)
+        """Refuse a state written for a different stream, seed, window or global batch (the
+        split over processes and micro-batches may differ)."""
+        for k in ("seed", "block_size", "global_rows", "num_tokens"):
+            mine = self.state_dict()[k]
             if k in state and state[k] != mine:
+                fix = ("keep batch_size x processes x accumulation (or global_batch_size) as "
+                       "written" if k == "global_rows" else "resume with the same data")
                 raise DataError(
                     f"the checkpoint's batches had {k}={state[k]}, this run has {k}={mine}; "
-                    "resume with the same data and batch settings"
+                    f"{fix}"
                 )
 
 

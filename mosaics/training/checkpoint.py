@@ -276,8 +276,10 @@ def finalize_save(run_dir: str | os.PathLike, step: int, keep: int = 0) -> Path:
 
 def _read_states(path: Path, rank: int, world_size: int | None,
                  deepspeed: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Trainer state and this rank's sampler state, after checking the checkpoint fits
-    (``world_size=None`` skips the process-count check)."""
+    """Trainer state and this rank's data-source state, after checking the checkpoint fits
+    (``world_size=None``: the writer's process count). A DDP checkpoint resumes on any
+    number of processes (the data source then checks the global batch); a DeepSpeed one only
+    on the number that wrote it, since its optimizer state is partitioned."""
     if not is_complete(path):
         raise CheckpointError(f"{path} has no {MANIFEST}: it is incomplete and cannot be loaded.")
     trainer_state = json.loads((path / "trainer_state.json").read_text())
@@ -286,25 +288,29 @@ def _read_states(path: Path, rank: int, world_size: int | None,
         writer, reader = (("DeepSpeed", "DDP or one process") if written_by_ds
                           else ("DDP or one process", "DeepSpeed"))
         raise CheckpointError(f"{path} was written by a {writer} run and cannot be resumed under "
-                         f"{reader} (the optimizer state is laid out differently); resume with "
-                         f"the launcher that wrote it, or start a fresh run.")
+                              f"{reader} (the optimizer state is laid out differently); resume "
+                              f"with the launcher that wrote it, or start a fresh run.")
     written = trainer_state.get("world_size")
-    if world_size is not None and written != world_size:
-        raise CheckpointError(f"{path} was written by {written} processes; resume with the same "
-                         f"number (now {world_size}).")
-    rank_json = path / f"rank_{rank}.json"
-    if not rank_json.is_file():
+    if deepspeed and world_size is not None and written != world_size:
         raise CheckpointError(
-            f"{path} was written by {trainer_state.get('world_size')} process(es) and has no "
-            f"state for process {rank}: resume with the same number of processes.")
+            f"{path} holds DeepSpeed ZeRO optimizer state partitioned over {written} processes "
+            f"and this run has {world_size}; DeepSpeed cannot re-partition it on load. Resume "
+            f"with {written} processes, or continue from the exported weights "
+            f"(zero_to_fp32.py in {path / DEEPSPEED_DIR}) in a fresh run.")
+    same = world_size is None or written == world_size
+    rank_json = path / f"rank_{rank if same else 0}.json"
+    if not rank_json.is_file():
+        raise CheckpointError(f"{path} has no data state for process {rank if same else 0} "
+                              f"({rank_json.name} is missing).")
     return trainer_state, json.loads(rank_json.read_text())
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: Any, rank: int,
                     world_size: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Restore a complete checkpoint into ``model``/``optimizer``/``scheduler`` and this
-    process's RNG. Returns (trainer state, this rank's data-sampler state)."""
+    """Restore a complete checkpoint into ``model``/``optimizer``/``scheduler`` and, when the
+    process count is the writer's, this process's RNG. Returns (trainer state, this rank's
+    data-source state)."""
     trainer_state, data_state = _read_states(path, rank, world_size, deepspeed=False)
     try:
         missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
@@ -315,7 +321,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
                               f"{missing}, unexpected {unexpected}. Resume with the same config.")
     optimizer.load_state_dict(_load_tensors(path / "optimizer.pt"))
     scheduler.load_state_dict(_load_tensors(path / "scheduler.pt"))
-    set_rng_state(_load_tensors(path / f"rank_{rank}.pt"))
+    if world_size is None or trainer_state.get("world_size") == world_size:
+        set_rng_state(_load_tensors(path / f"rank_{rank}.pt"))
     return trainer_state, data_state
 
 

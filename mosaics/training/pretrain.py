@@ -75,10 +75,11 @@ def train(cfg: TrainConfig) -> TrainResult:
         save_config(cfg, run_dir / "config.yaml")
     corpus = load_data(cfg, accelerator)
     tokenizer = as_hf_tokenizer(corpus.tokenizer)
-    # micro-batch m of a process is batches.batch(m): a pure function of (seed, m, rank), and
-    # the processes' rows together form the same global batch for any number of processes.
+    # the windows of step s are a pure function of (seed, s, global batch), however they are
+    # split over processes and micro-batches (so a resume may change the process count)
     batches = RandomWindowBatches(corpus.train_tokens, cfg.block_size, batch_size=cfg.batch_size,
-                                  seed=cfg.seed, rank=accelerator.process_index, world_size=world)
+                                  seed=cfg.seed, rank=accelerator.process_index, world_size=world,
+                                  accumulation=accelerator.gradient_accumulation_steps)
     windows = fixed_validation_windows(corpus.val_tokens, cfg.block_size, cfg.eval_windows,
                                        cfg.data_seed)
     model = build_model(cfg, len(tokenizer), **special_token_ids(tokenizer))

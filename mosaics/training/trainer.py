@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+import random
 import shutil
 import sys
 import time
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import (
@@ -149,6 +151,14 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
 
 
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Seed torch, numpy and python RNGs from (seed, step, rank)."""
+    value = int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+    torch.manual_seed(value)
+    np.random.seed(value)
+    random.seed(value)
+
+
 def shard_rows(batch: Batch, rank: int, world: int) -> Batch:
     """Rows ``rank, rank + world, ...`` of every tensor in ``batch``."""
     return {k: v[rank::world] for k, v in batch.items()}
@@ -239,15 +249,16 @@ class Trainer:
 
     def _resumed(self, path: Path, states: tuple[dict, dict]) -> None:
         trainer_state, data_state = states
-        self.batches.load_state_dict(data_state)  # refuses a different data source or seed
-        written = trainer_state.get("accumulation", self.accumulation)
-        if written != self.accumulation:
-            raise ckpt.CheckpointError(
-                f"{path} was written with {written} micro-batches per step, this run uses "
-                f"{self.accumulation}; resume with the same gradient accumulation.")
+        self.batches.load_state_dict(data_state)  # refuses other data, seed or global batch
         self.step, self.tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
+        written = trainer_state.get("world_size")
+        world = self.accelerator.num_processes
+        if written != world:  # the RNG streams were per process: start new ones
+            reseed(self.cfg.seed, self.step, self.accelerator.process_index)
         if self.is_main:
-            print(f"resumed from {path} at step {self.step}", file=sys.stderr)
+            moved = (f" on {world} process(es), written by {written} (same global batch; "
+                     "dropout and sampling RNG re-seeded)" if written != world else "")
+            print(f"resumed from {path} at step {self.step}{moved}", file=sys.stderr)
 
     def _configure_deepspeed(self) -> None:
         """Fill the DeepSpeed config with this run's micro-batch, accumulation and clipping."""
