@@ -171,6 +171,37 @@ def test_one_process_checkpoint_resumes_on_two_ranks(single_process) -> None:
 
 
 @pytest.mark.slow
+def test_two_nodes_on_one_host_match_one_process(single_process) -> None:
+    """A 2-node x 1-process job: two torchrun invocations with node ranks 0 and 1 meeting at
+    127.0.0.1, as on two machines, reach the one-process losses."""
+    base, settings, reference = single_process
+    run_dir = base / "two_nodes"
+    port = _free_port()
+    env = dict(_env(), ACCELERATE_USE_CPU="1")
+    procs, logs = [], []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
+               str(node), "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
+               "--master_port", str(port), str(ROOT / "train.py"),
+               *(f"{k}={v}" for k, v in settings.items()), f"run_dir={run_dir}", "batch_size=2"]
+        log = base / f"two_nodes.{node}.log"
+        logs.append(log)
+        with open(log, "w") as handle:
+            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=handle,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGKILL)
+        _kill_matching(str(run_dir))
+        pytest.fail("the 2-node job timed out:\n" + logs[0].read_text()[-3000:])
+    assert codes == [0, 0], logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]
+    assert "2 process(es), DistributedType.MULTI_CPU, backend gloo" in logs[0].read_text()
+    _check_same(reference, _metrics(run_dir))
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
 def test_deepspeed_zero2_matches_one_process(single_process) -> None:
     base, settings, reference = single_process

@@ -27,6 +27,7 @@ import random
 import shutil
 import sys
 import time
+import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -211,6 +212,10 @@ class Trainer:
     def setup(self) -> None:
         """Optimizer and schedule, the checkpoint to resume from, accelerate/DeepSpeed wrapping."""
         cfg, acc = self.cfg, self.accelerator
+        # DeepSpeed 0.19 calls collectives that torch deprecated (all_gather_into_tensor,
+        # reduce_scatter_tensor), one warning per call; not the user's concern
+        warnings.filterwarnings("ignore", category=FutureWarning,
+                                module="torch.distributed.c10d_logger")
         self.optimizer = build_optimizer(self.model, cfg.lr, cfg.weight_decay,
                                          (cfg.beta1, cfg.beta2), cfg.adam_eps)
         self.scheduler = build_scheduler(self.optimizer, cfg.lr, cfg.min_lr, cfg.warmup_steps,
