@@ -235,13 +235,13 @@ def test_deepspeed_checkpoint_resumes_exactly(single_process) -> None:
     base, settings, reference = single_process
     first, second = base / "zero2_ckpt", base / "zero2_resumed"
 
-    def launch(run_dir: Path, *extra: str) -> str:
+    def launch(run_dir: Path, *extra: str, processes: int = 2) -> str:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(ROOT / "configs/accelerate/deepspeed_zero2.yaml"), "--main_process_port",
-               str(_free_port()), "--deepspeed_config_file",
+               str(_free_port()), "--num_processes", str(processes), "--deepspeed_config_file",
                str(ROOT / "configs/deepspeed/zero2.json"), str(ROOT / "train.py"),
-               *(f"{k}={v}" for k, v in settings.items()), f"run_dir={run_dir}", "batch_size=2",
-               *extra]
+               *(f"{k}={v}" for k, v in settings.items()), f"run_dir={run_dir}",
+               f"batch_size={4 // processes}", *extra]
         code, err = _run(cmd, _env(), timeout=500, run_dir=run_dir)
         assert code == 0, err[-3000:]
         return err
@@ -258,6 +258,17 @@ def test_deepspeed_checkpoint_resumes_exactly(single_process) -> None:
     err = launch(second, "resume=true")
     assert "at step 6" in err
     resumed = _metrics(second)
+    assert {s for s, _ in resumed} == set(range(7, 13))
+    for key, value in resumed.items():
+        assert value == pytest.approx(reference[key], abs=1e-4, rel=0), key
+
+    # one DeepSpeed process continues it through DeepSpeed's universal checkpoint
+    third = base / "zero2_to_one"
+    shutil.copytree(saved, ckpt.checkpoint_root(third) / saved.name)
+    err = launch(third, "resume=true", processes=1)
+    assert "converting it to a universal checkpoint" in err and "written by 2" in err
+    assert (ckpt.checkpoint_root(third) / saved.name / "deepspeed" / "universal").is_dir()
+    resumed = _metrics(third)
     assert {s for s, _ in resumed} == set(range(7, 13))
     for key, value in resumed.items():
         assert value == pytest.approx(reference[key], abs=1e-4, rel=0), key

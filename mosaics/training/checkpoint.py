@@ -274,15 +274,21 @@ def finalize_save(run_dir: str | os.PathLike, step: int, keep: int = 0) -> Path:
     return final
 
 
-def _read_states(path: Path, rank: int, world_size: int | None,
-                 deepspeed: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """``trainer_state.json`` of a checkpoint."""
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def _read_states(path: Path, rank: int, world_size: int | None, deepspeed: bool,
+                 universal: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """Trainer state and this rank's data-source state, after checking the checkpoint fits
     (``world_size=None``: the writer's process count). A DDP checkpoint resumes on any
     number of processes (the data source then checks the global batch); a DeepSpeed one only
-    on the number that wrote it, since its optimizer state is partitioned."""
+    on the number that wrote it, unless it was converted to DeepSpeed's universal form
+    (``universal``), since its optimizer state is partitioned."""
     if not is_complete(path):
         raise CheckpointError(f"{path} has no {MANIFEST}: it is incomplete and cannot be loaded.")
-    trainer_state = json.loads((path / "trainer_state.json").read_text())
+    trainer_state = read_trainer_state(path)
     written_by_ds = bool(trainer_state.get("deepspeed", False))
     if written_by_ds != deepspeed:
         writer, reader = (("DeepSpeed", "DDP or one process") if written_by_ds
@@ -291,12 +297,11 @@ def _read_states(path: Path, rank: int, world_size: int | None,
                               f"{reader} (the optimizer state is laid out differently); resume "
                               f"with the launcher that wrote it, or start a fresh run.")
     written = trainer_state.get("world_size")
-    if deepspeed and world_size is not None and written != world_size:
+    if deepspeed and not universal and world_size is not None and written != world_size:
         raise CheckpointError(
             f"{path} holds DeepSpeed ZeRO optimizer state partitioned over {written} processes "
-            f"and this run has {world_size}; DeepSpeed cannot re-partition it on load. Resume "
-            f"with {written} processes, or continue from the exported weights "
-            f"(zero_to_fp32.py in {path / DEEPSPEED_DIR}) in a fresh run.")
+            f"and this run has {world_size}; resume with {written} processes, or let the "
+            f"trainer convert it to DeepSpeed's universal checkpoint.")
     same = world_size is None or written == world_size
     rank_json = path / f"rank_{rank if same else 0}.json"
     if not rank_json.is_file():
@@ -344,15 +349,57 @@ def save_deepspeed_state(tmp: Path, engine: Any) -> None:
 
 
 def load_deepspeed_checkpoint(path: Path, engine: Any, scheduler: Any, rank: int,
-                              world_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+                              world_size: int,
+                              universal: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every process (a collective): restore a DeepSpeed checkpoint into the prepared engine,
-    ``scheduler`` and this process's RNG. Returns (trainer state, data-sampler state)."""
-    trainer_state, data_state = _read_states(path, rank, world_size, deepspeed=True)
-    loaded, _ = engine.load_checkpoint(str(path / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
+    ``scheduler`` and (same process count) this process's RNG; ``universal`` reads the
+    process-count independent form made by :func:`universal_checkpoint` (the engine must have
+    been configured with ``checkpoint.load_universal``). Returns (trainer state, data-source
+    state)."""
+    trainer_state, data_state = _read_states(path, rank, world_size, deepspeed=True,
+                                             universal=universal)
+    folder = path / DEEPSPEED_DIR / (UNIVERSAL_DIR if universal else "")
+    loaded, _ = engine.load_checkpoint(str(folder), tag=DEEPSPEED_TAG,
                                        load_optimizer_states=True,
                                        load_lr_scheduler_states=False)
     if loaded is None:
-        raise CheckpointError(f"DeepSpeed could not load {path / DEEPSPEED_DIR / DEEPSPEED_TAG}.")
+        raise CheckpointError(f"DeepSpeed could not load {folder / DEEPSPEED_TAG}.")
     scheduler.load_state_dict(_load_tensors(path / "scheduler.pt"))
-    set_rng_state(_load_tensors(path / f"rank_{rank}.pt"))
+    if trainer_state.get("world_size") == world_size:
+        set_rng_state(_load_tensors(path / f"rank_{rank}.pt"))
     return trainer_state, data_state
+
+
+UNIVERSAL_DIR = "universal"
+
+
+def universal_checkpoint(path: Path) -> Path:
+    """Main process: convert the DeepSpeed state of checkpoint ``path`` to DeepSpeed's
+    universal checkpoint (``deepspeed.checkpoint.ds_to_universal``: every parameter's weights
+    and optimizer moments unpartitioned, loadable on any process count), once, atomically,
+    into ``path/deepspeed/universal``."""
+    import argparse
+    import contextlib
+    import io
+
+    from deepspeed.checkpoint.ds_to_universal import main as convert
+
+    target = path / DEEPSPEED_DIR / UNIVERSAL_DIR
+    if (target / DEEPSPEED_TAG / "zero").is_dir():
+        return target
+    tmp = path / DEEPSPEED_DIR / f".tmp-{UNIVERSAL_DIR}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    args = argparse.Namespace(input_folder=str(path / DEEPSPEED_DIR / DEEPSPEED_TAG),
+                              output_folder=str(tmp / DEEPSPEED_TAG), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True,
+                              inject_missing_state=True)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # its progress chatter
+            convert(args)
+    except Exception as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{path}: DeepSpeed could not convert its state to a universal "
+                              f"checkpoint ({type(err).__name__}: {err}); resume with the "
+                              "process count that wrote it.") from err
+    os.replace(tmp, target)
+    return target

@@ -225,12 +225,15 @@ class Trainer:
             self._resumed(resume_from, ckpt.load_checkpoint(
                 resume_from, self.model, self.optimizer, self.scheduler, acc.process_index,
                 acc.num_processes))
+        universal = False
         if self.is_deepspeed:
-            self._configure_deepspeed()
+            universal = resume_from is not None and self._needs_universal(resume_from)
+            self._configure_deepspeed(universal)
         self.model, self.optimizer = acc.prepare(self.model, self.optimizer)
         if resume_from is not None and self.is_deepspeed:  # restores into its own partitions
             self._resumed(resume_from, ckpt.load_deepspeed_checkpoint(
-                resume_from, self.model, self.scheduler, acc.process_index, acc.num_processes))
+                resume_from, self.model, self.scheduler, acc.process_index, acc.num_processes,
+                universal))
         self.model.train()
         if self.run_dir is not None:
             self.metrics = MetricsLog(self.run_dir, self.is_main, self.step, cfg.tensorboard)
@@ -265,9 +268,26 @@ class Trainer:
                      "dropout and sampling RNG re-seeded)" if written != world else "")
             print(f"resumed from {path} at step {self.step}{moved}", file=sys.stderr)
 
-    def _configure_deepspeed(self) -> None:
-        """Fill the DeepSpeed config with this run's micro-batch, accumulation and clipping."""
+    def _needs_universal(self, path: Path) -> bool:
+        """A DeepSpeed checkpoint of another process count: convert it (main, once) to
+        DeepSpeed's universal form, which loads on any process count."""
+        written = ckpt.read_trainer_state(path).get("world_size")
+        if written == self.accelerator.num_processes:
+            return False
+        if self.is_main:
+            print(f"resume: {path} was written by {written} DeepSpeed processes, this run has "
+                  f"{self.accelerator.num_processes}: converting it to a universal checkpoint",
+                  file=sys.stderr)
+            ckpt.universal_checkpoint(path)
+        self.accelerator.wait_for_everyone()
+        return True
+
+    def _configure_deepspeed(self, universal: bool = False) -> None:
+        """Fill the DeepSpeed config with this run's micro-batch, accumulation and clipping
+        (and, for a resume on another process count, universal-checkpoint loading)."""
         ds = self.accelerator.state.deepspeed_plugin.deepspeed_config
+        if universal:
+            ds.setdefault("checkpoint", {})["load_universal"] = True
         if "optimizer" in ds or "scheduler" in ds:
             raise ConfigError("The DeepSpeed config must not define 'optimizer' or 'scheduler': "
                               "the training config owns them (AdamW groups, cosine schedule).")
