@@ -1,8 +1,9 @@
 """Length extrapolation (Sort or MQMTAR): train on lengths U{32..64}, test at 64 x 2^k.
 
     python eval/extrapolation.py --task sort --kernel gaussian epanechnikov --preset cpu
+    python eval/extrapolation.py --task sort --arch mosaics llama --kernel gaussian
 
-Prints exact match per test length and kernel; writes <out>/results.json and
+Prints exact match per test length and model; writes <out>/results.json and
 <out>/extrapolation.png. ``--model DIR ...`` scores saved models instead.
 """
 
@@ -22,16 +23,20 @@ from mosaics.evaluation.cli import (  # noqa: E402
     offline,
     positive_int,
 )
+from mosaics.evaluation.experiments import EXTRAPOLATION_PRESETS as PRESETS  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", choices=["sort", "mqmtar"], required=True)
-    p.add_argument("--kernel", nargs="+", default=["gaussian"])
+    p.add_argument("--arch", nargs="+", default=["mosaics"], choices=["mosaics", "llama"],
+                   help="llama: the rotary-position transformer baseline of the same size")
+    p.add_argument("--kernel", nargs="+", default=["gaussian"], help="Memory Mosaics kernels")
     p.add_argument("--kernel-kwargs", type=kernel_kwargs_arg, default=None)
-    p.add_argument("--preset", choices=["reference", "cpu"], default="reference")
+    p.add_argument("--preset", choices=list(PRESETS), default="reference")
     p.add_argument("--steps", type=positive_int)
+    p.add_argument("--warmup-frac", type=float, help="warm-up steps as a fraction of --steps")
     p.add_argument("--batch-size", type=positive_int)
     p.add_argument("--lr", type=float)
     p.add_argument("--eval-every", type=positive_int)
@@ -52,14 +57,15 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     offline()
     check_model_dirs(p, args.model)
-    if not args.model:
+    if "mosaics" in args.arch and not args.model:
         check_kernels(p, args.kernel)
 
     from mosaics.evaluation import experiments, plots
 
     proto = experiments.with_overrides(
         experiments.EXTRAPOLATION_PRESETS[args.preset], steps=args.steps,
-        batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
+        batch_size=args.batch_size, lr=args.lr, warmup_frac=args.warmup_frac,
+        eval_every=args.eval_every,
         multipliers=tuple(args.multipliers) if args.multipliers else None,
         n_samples=args.n_samples, n_val=args.n_val, n_layer=args.n_layer, n_embd=args.n_embd,
         n_head=args.n_head,
@@ -69,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         results = experiments.run_extrapolation(
             args.task, args.kernel, proto, args.seed, args.kernel_kwargs,
             args.device or default_device(), out, args.save_models, args.model,
-            not args.no_progress)
+            not args.no_progress, args.arch)
     except ValueError as err:
         p.error(str(err))
     results["preset"] = args.preset

@@ -64,15 +64,20 @@ def test_regbench_cli_scores_saved_models(regbench_run, tmp_path, capsys):
 
 
 def test_extrapolation_cli(tmp_path):
-    stdout = _run("eval/extrapolation.py", "--task", "sort", "--kernel", "gaussian",
-                  "--preset", "cpu", "--steps", "2", "--eval-every", "1", "--n-val", "4",
-                  "--n-samples", "3", "--multipliers", "1", "2", "--save-models",
+    stdout = _run("eval/extrapolation.py", "--task", "sort", "--arch", "mosaics", "llama",
+                  "--kernel", "gaussian", "--preset", "cpu", "--steps", "2", "--eval-every", "1",
+                  "--n-val", "4", "--n-samples", "3", "--multipliers", "1", "2", "--save-models",
                   "--out", tmp_path, *TINY)
     assert "len 128" in stdout
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["lengths"] == [64, 128]
-    em = res["runs"][0]["exact_match"]
-    assert set(em) == {"64", "128"} and all(0 <= v <= 1 for v in em.values())
+    assert [r["label"] for r in res["runs"]] == ["mosaics/gaussian", "llama"]
+    for run in res["runs"]:
+        em = run["exact_match"]
+        assert set(em) == {"64", "128"} and all(0 <= v <= 1 for v in em.values())
+        assert "val/exact_match" in run["train"]["history"][-1]
+    curve = (tmp_path / "runs" / "sort-llama" / "metrics.jsonl").read_text()
+    assert "val/exact_match" in curve and "elapsed_s" in curve
     assert (tmp_path / "extrapolation.png").is_file()
     main = _cli("extrapolation")
     main(["--task", "sort", "--model", str(tmp_path / "models" / "sort-gaussian"),

@@ -21,6 +21,7 @@ from torch import Tensor
 from ..training.build import causal_lm
 from ..training.config import TrainConfig
 from ..training.trainer import (
+    Hook,
     KeepBest,
     Trainer,
     TrainResult,
@@ -127,10 +128,11 @@ def fit_task_model(model: torch.nn.Module, batches: Any, val_batches: list[dict[
                    total_steps: int, lr: float, weight_decay: float, warmup_frac: float,
                    eval_every: int, seed: int, device: str, time_budget_s: float | None = None,
                    run_dir: Path | None = None, progress: bool = True,
-                   desc: str = "train") -> TrainResult:
+                   desc: str = "train", hooks: Sequence[Hook] = ()) -> TrainResult:
     """Train ``model`` in place with the shared :class:`Trainer` (AdamW, linear warm-up over
     ``warmup_frac`` of the steps, cosine to lr / 10, clipping at 1) and restore the weights of
-    the best validation loss. Learning curves go to ``run_dir/metrics.jsonl`` when given."""
+    the best validation loss. Learning curves go to ``run_dir/metrics.jsonl`` when given;
+    ``hooks`` run before the one that keeps the best weights."""
     cfg = TrainConfig(run_dir=str(run_dir) if run_dir is not None else "", seed=seed,
                       max_steps=total_steps, lr=lr, min_lr=0.1 * lr,
                       warmup_steps=max(1, round(warmup_frac * total_steps)),
@@ -138,7 +140,7 @@ def fit_task_model(model: torch.nn.Module, batches: Any, val_batches: list[dict[
                       log_interval=eval_every, checkpoint_interval=0, progress_bar=progress,
                       tensorboard=False, time_budget_s=time_budget_s)
     torch.manual_seed(seed)
-    trainer = Trainer(cfg, model.to(device), batches, val_batches, hooks=[KeepBest()],
+    trainer = Trainer(cfg, model.to(device), batches, val_batches, hooks=[*hooks, KeepBest()],
                       accelerator=make_accelerator(cfg, device), name=desc)
     result = trainer.fit()
     trainer.close()
@@ -266,12 +268,63 @@ def regbench_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+class TaskExactMatch(Hook):
+    """At every validation, the exact match and token accuracy of the validation samples and
+    the wall time since training started, logged as extra rows of ``metrics.jsonl`` (and
+    merged into the trainer's history)."""
+
+    def __init__(self, task: str, samples: list[tasks.Sample], batch_size: int,
+                 device: str) -> None:
+        self.task, self.samples, self.batch_size, self.device = task, samples, batch_size, device
+        self.started = time.time()
+        self.pending: dict[str, float] = {}
+
+    def on_evaluate(self, trainer: Trainer, step: int, val_loss: float) -> None:
+        model = trainer.unwrapped_model
+        was_training = model.training
+        score = tasks.evaluate_exact_match(model, self.task, self.samples, self.batch_size,
+                                           self.device)
+        model.train(was_training)
+        self.pending = {"val/exact_match": score["exact_match"],
+                        "val/token_accuracy": score["token_accuracy"],
+                        "elapsed_s": time.time() - self.started}
+
+    def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        if not self.pending:
+            return
+        if trainer.history and trainer.history[-1]["step"] == step:
+            trainer.history[-1].update(self.pending)
+        if trainer.metrics is not None:
+            trainer.metrics.log(step, self.pending)
+        self.pending = {}
+
+
+def extrapolation_model(task: str, arch: str, kernel: str | None,
+                        proto: ExtrapolationProtocol, kernel_kwargs: dict | None,
+                        longest: int) -> torch.nn.Module:
+    """A fresh task model; ``longest`` is the longest test sequence. GPT-2 is refused: its
+    learned position table cannot be evaluated past the training lengths."""
+    if arch == "gpt2":
+        raise ValueError("gpt2 has a learned position table and cannot be scored past its "
+                         "training lengths; use the rotary-position baseline, llama")
+    spec = tasks.TASKS[task]
+    cfg = model_config(arch, spec.vocab_size, proto.n_layer or spec.n_layer, proto.n_embd,
+                       proto.n_head, None, kernel or "gaussian", kernel_kwargs, proto.dropout,
+                       2 * proto.max_len + 3 if arch == "mosaics" else longest)
+    return causal_lm(cfg)
+
+
+def _run_name(task: str, arch: str, kernel: str | None) -> str:
+    return f"{task}-{kernel if arch == 'mosaics' else arch}"
+
+
 def run_extrapolation(task: str, kernels: list[str], proto: ExtrapolationProtocol, seed: int = 0,
                       kernel_kwargs: dict | None = None, device: str = "cpu",
                       out_dir: str | Path | None = None, save_models: bool = False,
-                      model_dirs: list[str] | None = None,
-                      progress: bool = True) -> dict[str, Any]:
-    """Train (or load) one model per kernel on lengths U{min..max_len}; exact match per length."""
+                      model_dirs: list[str] | None = None, progress: bool = True,
+                      archs: Sequence[str] = ("mosaics",)) -> dict[str, Any]:
+    """Train (or load) one model per kernel (arch ``mosaics``) and one per other arch (``llama``)
+    on lengths U{min..max_len}; exact match and token accuracy per test length."""
     from tqdm.auto import tqdm
 
     if task not in tasks.TASKS:
@@ -281,6 +334,7 @@ def run_extrapolation(task: str, kernels: list[str], proto: ExtrapolationProtoco
     results: dict[str, Any] = {"task": task, "protocol": asdict(proto), "seed": seed,
                                "lengths": lengths, "runs": []}
     test_sets = {n: tasks.fixed_set(task, proto.n_samples, n, seed + 1000) for n in lengths}
+    longest = max(len(s[0].tokens) for s in test_sets.values())
 
     def evaluate(model: torch.nn.Module, label: str) -> dict[str, dict[int, float]]:
         out: dict[str, dict[int, float]] = {"exact_match": {}, "token_accuracy": {}}
@@ -305,24 +359,24 @@ def run_extrapolation(task: str, kernels: list[str], proto: ExtrapolationProtoco
                    for i in range(0, len(val), proto.batch_size)]
     for b in val_batches:
         b.pop("score_mask")
-    for kernel in kernels:
-        label = _label("mosaics", kernel)
-        cfg = model_config("mosaics", spec.vocab_size, proto.n_layer or spec.n_layer,
-                           proto.n_embd, proto.n_head, None, kernel, kernel_kwargs,
-                           proto.dropout, 2 * proto.max_len + 3)
+    plans = [(a, k) for a in archs for k in (kernels if a == "mosaics" else [None])]
+    for arch, kernel in plans:
+        label = _label(arch, kernel)
         torch.manual_seed(seed)
-        model = causal_lm(cfg)
+        model = extrapolation_model(task, arch, kernel, proto, kernel_kwargs, longest)
         batches = tasks.RandomTaskBatches(task, proto.batch_size, proto.min_len, proto.max_len,
                                           seed)
-        run_dir = None if out_dir is None else Path(out_dir) / "runs" / f"{task}-{kernel}"
+        name = _run_name(task, arch, kernel)
+        run_dir = None if out_dir is None else Path(out_dir) / "runs" / name
+        watch = TaskExactMatch(task, val, proto.batch_size, device)
         info = fit_task_model(model, batches, val_batches, proto.steps, proto.lr,
                               proto.weight_decay, proto.warmup_frac, proto.eval_every, seed,
                               device, proto.time_budget_s, run_dir, progress,
-                              f"{label} {task}")
-        run = {"label": label, "kernel": kernel, "params": count_parameters(model),
+                              f"{label} {task}", hooks=[watch])
+        run = {"label": label, "arch": arch, "kernel": kernel, "params": count_parameters(model),
                **evaluate(model, label), "train": train_summary(info)}
         if save_models and out_dir is not None:
-            path = Path(out_dir) / "models" / f"{task}-{kernel}"
+            path = Path(out_dir) / "models" / name
             model.save_pretrained(path)
             run["model_dir"] = str(path)
         results["runs"].append(run)

@@ -24,14 +24,34 @@ def _save(fig, path: str | Path) -> Path:  # noqa: ANN001
 _BASELINE_STYLES = ["-", "--", "-.", ":", (0, (5, 1, 1, 1))]  # oracle, 2-, 3-, 4-gram
 
 
+def _mean_std(points: list[tuple[float, float]]) -> tuple[list, list, list]:
+    """x, mean y and standard deviation of y (0 for one value) of (x, y) pairs grouped by x:
+    several seeds of one model become one point with an error bar."""
+    by_x: dict[float, list[float]] = {}
+    for x, y in points:
+        by_x.setdefault(x, []).append(y)
+    xs = sorted(by_x)
+    means = [float(np.mean(by_x[x])) for x in xs]
+    stds = [float(np.std(by_x[x], ddof=1)) if len(by_x[x]) > 1 else 0.0 for x in xs]
+    return xs, means, stds
+
+
+def _line(ax, points: list[tuple[float, float]], label: str) -> None:  # noqa: ANN001
+    xs, means, stds = _mean_std(points)
+    if any(stds):
+        ax.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=label)
+    else:
+        ax.plot(xs, means, marker="o", label=label)
+
+
 def plot_regbench(results: dict[str, Any], path: str | Path) -> Path:
-    """Accuracy and TVD against the number of training automata; baselines as dashed lines."""
+    """Accuracy and TVD against the number of training automata; baselines as dashed lines.
+    Runs of one label at one size (several seeds) are drawn as mean ± std."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     runs = [r for r in results["runs"] if r["size"] is not None]
     for metric, ax in zip(("accuracy", "tvd"), axes):
         for label in dict.fromkeys(r["label"] for r in runs):
-            pts = sorted((r["size"], r[metric]) for r in runs if r["label"] == label)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            _line(ax, [(r["size"], r[metric]) for r in runs if r["label"] == label], label)
         for i, (name, r) in enumerate(results["baselines"].items()):
             ax.axhline(r[metric], linestyle=_BASELINE_STYLES[i % len(_BASELINE_STYLES)],
                        color="0.35", label=name, linewidth=1)
@@ -45,11 +65,13 @@ def plot_regbench(results: dict[str, Any], path: str | Path) -> Path:
 
 
 def plot_extrapolation(results: dict[str, Any], path: str | Path) -> Path:
-    """Exact match against test length (log2 axis), one line per model."""
+    """Exact match against test length (log2 axis), one line per model (mean ± std over the
+    runs that share a label, e.g. seeds)."""
     fig, ax = plt.subplots(figsize=(6, 4))
-    for r in results["runs"]:
-        pts = sorted((int(k), v) for k, v in r["exact_match"].items())
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=r["label"])
+    for label in dict.fromkeys(r["label"] for r in results["runs"]):
+        points = [(int(k), v) for r in results["runs"] if r["label"] == label
+                  for k, v in r["exact_match"].items()]
+        _line(ax, points, label)
     ax.set_xscale("log", base=2)
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("test length")

@@ -1,0 +1,480 @@
+"""Many task experiments from one command: expand jobs, run each as its own process, merge.
+
+A job is one (task, model, seed, size) under a preset with overrides. Each job runs as a
+separate ``python -m mosaics.evaluation.sweep`` process and writes
+``<out>/results/<name>.json`` atomically; a job whose result file exists is skipped, so a
+stopped sweep resumes where it was. A failed job leaves ``<out>/failed/<name>.json`` (exit
+status and the end of its log, ``<out>/logs/<name>.log``) and is retried by the next sweep.
+Learning curves: ``<out>/jobs/<name>/runs/<run>/metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TASKS = ("regbench", "sort", "mqmtar")
+BASELINE_ARCHS = ("gpt2", "llama")
+LOG_TAIL = 4000  # characters of a failed job's log kept in its failure record
+
+
+@dataclass(frozen=True)
+class Job:
+    """One experiment: ``model`` is ``mosaics/<kernel>``, ``gpt2`` or ``llama``; ``size`` is
+    the number of training automata (RegBench only)."""
+
+    task: str
+    model: str
+    seed: int = 0
+    size: int | None = None
+    preset: str = "reference"
+    overrides: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    kernel_kwargs: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def arch(self) -> str:
+        return self.model.split("/", 1)[0]
+
+    @property
+    def kernel(self) -> str | None:
+        return self.model.split("/", 1)[1] if self.arch == "mosaics" else None
+
+    @property
+    def label(self) -> str:
+        """The table row: the model, with its kernel arguments if any."""
+        extra = ",".join(f"{k}={v}" for k, v in sorted(self.kernel_kwargs.items()))
+        return f"{self.model} ({extra})" if extra else self.model
+
+    @property
+    def setting(self) -> str:
+        """Preset plus a short digest of the overrides: jobs of one setting share a table."""
+        if not self.overrides:
+            return self.preset
+        text = json.dumps(self.overrides, sort_keys=True, default=str)
+        return f"{self.preset}+{hashlib.sha1(text.encode()).hexdigest()[:6]}"
+
+    @property
+    def name(self) -> str:
+        """File-name-safe, unique per (task, model, kernel arguments, size, seed, setting)."""
+        parts = [self.task, self.model.replace("/", "-")]
+        parts += [f"{k}{v}" for k, v in sorted(self.kernel_kwargs.items())]
+        if self.size is not None:
+            parts.append(f"n{self.size}")
+        parts += [f"s{self.seed}", self.setting.replace("+", "-")]
+        return "-".join(str(p) for p in parts).replace(" ", "")
+
+
+def normalize_model(model: str) -> str:
+    """``gaussian`` -> ``mosaics/gaussian``; ``gpt2`` / ``llama`` unchanged."""
+    if model in BASELINE_ARCHS or model.startswith("mosaics/"):
+        return model
+    if "/" in model:
+        raise ValueError(f"unknown model {model!r}; use mosaics/<kernel>, gpt2 or llama")
+    return f"mosaics/{model}"
+
+
+def protocol_class(task: str) -> type:
+    from .experiments import ExtrapolationProtocol, RegBenchProtocol
+
+    return RegBenchProtocol if task == "regbench" else ExtrapolationProtocol
+
+
+def presets(task: str) -> dict[str, Any]:
+    from .experiments import EXTRAPOLATION_PRESETS, REGBENCH_PRESETS
+
+    return REGBENCH_PRESETS if task == "regbench" else EXTRAPOLATION_PRESETS
+
+
+def _own_overrides(task: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The overrides that are fields of this task's protocol (RegBench and extrapolation
+    protocols differ: ``max_steps`` vs ``steps``); a key of neither protocol is an error."""
+    from .experiments import ExtrapolationProtocol, RegBenchProtocol
+
+    known = {f.name for cls in (RegBenchProtocol, ExtrapolationProtocol) for f in fields(cls)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown protocol setting(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(sorted(known))}")
+    mine = {f.name for f in fields(protocol_class(task))}
+    return {k: v for k, v in overrides.items() if k in mine}
+
+
+def make_job(task: str, model: str, seed: int = 0, size: int | None = None,
+             preset: str = "reference", overrides: dict[str, Any] | None = None,
+             kernel_kwargs: dict[str, Any] | None = None) -> Job:
+    """A checked :class:`Job` (known task, model, kernel, preset and settings)."""
+    from mosaics import available_kernels
+
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    model = normalize_model(model)
+    kernel = model.split("/", 1)[1] if model.startswith("mosaics/") else None
+    if kernel is not None and kernel not in available_kernels():
+        raise ValueError(f"unknown kernel {kernel!r}; registered kernels: "
+                         f"{', '.join(available_kernels())}")
+    if task != "regbench" and model == "gpt2":
+        raise ValueError("gpt2 cannot be scored past its learned position table; the "
+                         "extrapolation baseline is llama")
+    if preset not in presets(task):
+        raise ValueError(f"unknown {task} preset {preset!r}; choose from "
+                         f"{', '.join(presets(task))}")
+    if task == "regbench" and size is None:
+        raise ValueError("a regbench job needs a size (training automata)")
+    return Job(task, model, int(seed), size if task == "regbench" else None, preset,
+               _own_overrides(task, dict(overrides or {})), dict(kernel_kwargs or {}))
+
+
+def expand_jobs(tasks: Iterable[str], models: Iterable[str], seeds: Iterable[int] = (0,),
+                sizes: Iterable[int] = (1000,), preset: str = "reference",
+                overrides: dict[str, Any] | None = None,
+                kernel_kwargs: dict[str, Any] | None = None) -> tuple[list[Job], list[str]]:
+    """The cartesian product task x model x seed (x size for RegBench), duplicates dropped.
+    Returns the jobs and notes on the combinations left out (gpt2 on the extrapolation tasks).
+    """
+    jobs: dict[str, Job] = {}
+    notes: list[str] = []
+    for task, model, seed in itertools.product(tasks, models, seeds):
+        if task != "regbench" and normalize_model(model) == "gpt2":
+            notes.append(f"{task} x gpt2 left out: learned positions cannot extrapolate "
+                         "(llama is the transformer baseline there)")
+            continue
+        for size in sizes if task == "regbench" else [None]:
+            job = make_job(task, model, seed, size, preset, overrides, kernel_kwargs)
+            jobs.setdefault(job.name, job)
+    return list(jobs.values()), list(dict.fromkeys(notes))
+
+
+def _as_list(value: Any) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def load_job_file(path: str | Path) -> tuple[list[Job], list[str]]:
+    """Jobs from YAML or JSON: a mapping with optional ``defaults`` (preset, overrides,
+    kernel_kwargs, seed, size), ``grid`` (lists of task / model / seed / size, expanded as a
+    cartesian product) and ``jobs`` (a list of single jobs); a bare list means ``jobs``."""
+    import yaml
+
+    try:
+        spec = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f"cannot read job file {path}: {err}") from None
+    if isinstance(spec, list):
+        spec = {"jobs": spec}
+    if not isinstance(spec, dict) or not ({"grid", "jobs"} & set(spec)):
+        raise ValueError(f"job file {path}: expected a mapping with 'grid' and/or 'jobs', "
+                         "or a list of jobs")
+    defaults = dict(spec.get("defaults") or {})
+    jobs: dict[str, Job] = {}
+    notes: list[str] = []
+    if spec.get("grid"):
+        grid = {**defaults, **spec["grid"]}
+        found, notes = expand_jobs(
+            _as_list(grid["task"]), _as_list(grid["model"]), _as_list(grid.get("seed", 0)),
+            _as_list(grid.get("size", 1000)), grid.get("preset", "reference"),
+            grid.get("overrides"), grid.get("kernel_kwargs"))
+        jobs.update((j.name, j) for j in found)
+    for entry in spec.get("jobs") or []:
+        item = {**defaults, **entry}
+        item["overrides"] = {**(defaults.get("overrides") or {}), **(entry.get("overrides") or {})}
+        if item["task"] != "regbench":
+            item.pop("size", None)
+        job = make_job(**item)
+        jobs.setdefault(job.name, job)
+    return list(jobs.values()), notes
+
+
+# The sparse-kernel paper's tables (DESIGN 8.2.1): kernels with their arguments, k of the
+# kNN kernels per table, RegBench sizes, and the transformer baseline of each table.
+PAPER_KERNELS = ("gaussian", "gaussian_knn", "uniform_knn", "epanechnikov_fixed", "relumax",
+                 "epanechnikov", "biweight", "triweight")
+PAPER_KNN_K = {"regbench": 16, "sort": 32, "mqmtar": 32}
+PAPER_SIZES = (1000, 5000, 10000, 40000)
+
+
+def paper_jobs(seeds: Iterable[int] = (0,), preset: str = "reference",
+               overrides: dict[str, Any] | None = None) -> list[Job]:
+    """Every job of the paper's RegBench and length-extrapolation tables (GPT-2 is the
+    RegBench transformer, the rotary Llama the extrapolation one)."""
+    jobs = []
+    for task, seed in itertools.product(TASKS, seeds):
+        baseline = "gpt2" if task == "regbench" else "llama"
+        for model in (baseline, *(f"mosaics/{k}" for k in PAPER_KERNELS)):
+            kwargs = {"k": PAPER_KNN_K[task]} if model.endswith("_knn") else None
+            for size in PAPER_SIZES if task == "regbench" else [None]:
+                jobs.append(make_job(task, model, seed, size, preset, overrides, kwargs))
+    return jobs
+
+
+# --- running -------------------------------------------------------------------------------
+
+def threads_per_job(parallel: int, cores: int | None = None) -> int:
+    """CPU threads for each of ``parallel`` concurrent jobs."""
+    return max(1, (cores or os.cpu_count() or 1) // max(1, parallel))
+
+
+def result_path(out: Path, job: Job) -> Path:
+    return out / "results" / f"{job.name}.json"
+
+
+def failure_path(out: Path, job: Job) -> Path:
+    return out / "failed" / f"{job.name}.json"
+
+
+def _job_record(job: Job) -> dict[str, Any]:
+    return {**asdict(job), "name": job.name, "label": job.label, "setting": job.setting}
+
+
+def run_job(job: Job, out: Path, device: str) -> dict[str, Any]:
+    """Run one job in this process and write its result file (the child side)."""
+    from . import experiments
+
+    proto = experiments.with_overrides(presets(job.task)[job.preset], **_typed(job.overrides))
+    work = out / "jobs" / job.name
+    started = time.time()
+    if job.task == "regbench":
+        results = experiments.run_regbench([job.arch], [job.kernel or "gaussian"], [job.size],
+                                           proto, job.seed, job.kernel_kwargs, device, work,
+                                           progress=False)
+    else:
+        results = experiments.run_extrapolation(job.task, [job.kernel or "gaussian"], proto,
+                                                job.seed, job.kernel_kwargs, device, work,
+                                                progress=False, archs=[job.arch])
+    record = {"job": _job_record(job), "device": device, "seconds": time.time() - started,
+              "results": results}
+    experiments.write_json(result_path(out, job), record)
+    return record
+
+
+def _typed(overrides: dict[str, Any]) -> dict[str, Any]:
+    """JSON lists back to the tuples the protocols use."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
+
+
+def _child_command(job: Job, out: Path, device: str) -> list[str]:
+    return [sys.executable, "-m", "mosaics.evaluation.sweep", "--job",
+            json.dumps(asdict(job)), "--out", str(out), "--device", device]
+
+
+def _child_env(threads: int) -> dict[str, str]:
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+            "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1"}
+
+
+def _spawn(job: Job, out: Path, device: str, threads: int) -> tuple[Job, int, float]:
+    """Run a job as a child process, its output in its log; returns (job, status, seconds)."""
+    log = out / "logs" / f"{job.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    with open(log, "w") as handle:
+        status = subprocess.call(_child_command(job, out, device), stdout=handle,
+                                 stderr=subprocess.STDOUT, env=_child_env(threads))
+    return job, status, time.time() - started
+
+
+def _record_failure(out: Path, job: Job, status: int, seconds: float) -> dict[str, Any]:
+    from .experiments import write_json
+
+    log = out / "logs" / f"{job.name}.log"
+    tail = log.read_text(errors="replace")[-LOG_TAIL:] if log.exists() else ""
+    if status == 0:  # exited cleanly without a result file
+        status = -1
+    record = {"job": _job_record(job), "status": status, "seconds": seconds,
+              "log": str(log), "log_tail": tail}
+    write_json(failure_path(out, job), record)
+    return record
+
+
+def run_sweep(jobs: Sequence[Job], out: str | Path, parallel: int = 1, device: str = "cpu",
+              report: Callable[[str], None] = print) -> dict[str, list[Job]]:
+    """Run the jobs without a result file, ``parallel`` processes at a time; returns the
+    skipped, finished and failed jobs."""
+    out = Path(out)
+    done = {"skipped": [], "finished": [], "failed": []}
+    todo = []
+    for job in jobs:
+        (done["skipped"] if result_path(out, job).exists() else todo).append(job)
+    threads = threads_per_job(parallel)
+    report(f"{len(jobs)} jobs: {len(done['skipped'])} already done, {len(todo)} to run, "
+           f"{min(parallel, len(todo) or 1)} at a time with {threads} thread(s) each on {device}")
+    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        futures = [pool.submit(_spawn, job, out, device, threads) for job in todo]
+        for i, future in enumerate(as_completed(futures), 1):
+            job, status, seconds = future.result()
+            if status == 0 and result_path(out, job).exists():
+                failure_path(out, job).unlink(missing_ok=True)
+                done["finished"].append(job)
+                report(f"[{i}/{len(todo)}] done   {job.name} ({seconds:.0f} s)")
+            else:
+                _record_failure(out, job, status, seconds)
+                done["failed"].append(job)
+                report(f"[{i}/{len(todo)}] FAILED {job.name} (exit {status}, log "
+                       f"{out / 'logs' / (job.name + '.log')})")
+    return done
+
+
+# --- merging -------------------------------------------------------------------------------
+
+def load_results(out: str | Path) -> list[dict[str, Any]]:
+    """Every job result under ``<out>/results``, in name order."""
+    return [json.loads(p.read_text()) for p in sorted(Path(out).glob("results/*.json"))]
+
+
+def load_failures(out: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(Path(out).glob("failed/*.json"))]
+
+
+def _cell(values: list[float]) -> str:
+    """``mean`` or ``mean ± std (n)`` over seeds."""
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{np.mean(values):.3f} ± {np.std(values, ddof=1):.3f} ({len(values)})"
+
+
+def _markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _groups(records: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """Records by (task, setting): one table per task and protocol."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for rec in records:
+        groups[(rec["job"]["task"], rec["job"]["setting"])].append(rec)
+    return dict(sorted(groups.items()))
+
+
+def regbench_rows(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merged RegBench runs (one per job, with its seed) and baselines averaged over seeds,
+    in the layout :func:`plots.plot_regbench` reads."""
+    runs, baselines = [], defaultdict(lambda: defaultdict(list))
+    seen_seeds = set()
+    for rec in records:
+        res = rec["results"]
+        for run in res["runs"]:
+            runs.append({**run, "label": rec["job"]["label"], "seed": rec["job"]["seed"]})
+        if res["seed"] not in seen_seeds:
+            seen_seeds.add(res["seed"])
+            for name, score in res["baselines"].items():
+                for key in ("accuracy", "tvd"):
+                    baselines[name][key].append(score[key])
+    return {"runs": runs, "baselines": {name: {k: float(np.mean(v)) for k, v in s.items()}
+                                        for name, s in baselines.items()},
+            "baseline_values": {name: dict(s) for name, s in baselines.items()}}
+
+
+def regbench_markdown(merged: dict[str, Any]) -> str:
+    """Accuracy / TVD per model x training size (mean ± std over seeds), n-gram rows below."""
+    runs = merged["runs"]
+    sizes = sorted({r["size"] for r in runs})
+    header = ["model"] + [f"n={s} accuracy / TVD" for s in sizes]
+    rows = []
+    for label in dict.fromkeys(r["label"] for r in runs):
+        cells = []
+        for size in sizes:
+            mine = [r for r in runs if r["label"] == label and r["size"] == size]
+            cells.append(f"{_cell([r['accuracy'] for r in mine])} / "
+                         f"{_cell([r['tvd'] for r in mine])}" if mine else "-")
+        rows.append([label, *cells])
+    for name, values in merged["baseline_values"].items():
+        cell = f"{_cell(values['accuracy'])} / {_cell(values['tvd'])}"
+        rows.append([name, *[cell] * len(sizes)])
+    return _markdown(header, rows)
+
+
+def extrapolation_rows(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merged extrapolation runs (one per job, with its seed) for the table and the plot."""
+    runs = [{**run, "label": rec["job"]["label"], "seed": rec["job"]["seed"]}
+            for rec in records for run in rec["results"]["runs"]]
+    lengths = sorted({int(n) for rec in records for n in rec["results"]["lengths"]})
+    return {"task": records[0]["job"]["task"], "lengths": lengths, "runs": runs}
+
+
+def extrapolation_markdown(merged: dict[str, Any]) -> str:
+    """Exact match per model x test length (mean ± std over seeds)."""
+    header = ["model"] + [f"len {n}" for n in merged["lengths"]]
+    rows = []
+    for label in dict.fromkeys(r["label"] for r in merged["runs"]):
+        mine = [r for r in merged["runs"] if r["label"] == label]
+        cells = []
+        for n in merged["lengths"]:
+            values = [r["exact_match"][str(n)] for r in mine if str(n) in r["exact_match"]]
+            cells.append(_cell(values) if values else "-")
+        rows.append([label, *cells])
+    return _markdown(header, rows)
+
+
+def summarize(out: str | Path, plot: bool = True) -> str:
+    """Markdown tables (and figures) of every result under ``out``; written to
+    ``<out>/summary.md`` and returned."""
+    from . import plots
+
+    out = Path(out)
+    parts = []
+    for (task, setting), records in _groups(load_results(out)).items():
+        slug = f"{task}-{setting.replace('+', '-')}"
+        steps = sorted({rec["results"]["runs"][0]["train"]["steps"] for rec in records
+                        if rec["results"]["runs"] and "train" in rec["results"]["runs"][0]})
+        title = f"## {task}, preset {setting} ({len(records)} jobs, steps {steps})"
+        if task == "regbench":
+            merged = regbench_rows(records)
+            parts += [title, "accuracy / TVD on the test automata; mean ± std (seeds) when "
+                      "several seeds", regbench_markdown(merged)]
+            if plot:
+                parts.append(f"![{slug}]({plots.plot_regbench(merged, out / f'{slug}.png').name})")
+        else:
+            merged = extrapolation_rows(records)
+            parts += [title, "exact match (teacher-forced argmax) by test length; mean ± std "
+                      "(seeds) when several seeds", extrapolation_markdown(merged)]
+            if plot:
+                parts.append(f"![{slug}]"
+                             f"({plots.plot_extrapolation(merged, out / f'{slug}.png').name})")
+    failures = load_failures(out)
+    if failures:
+        parts.append("## failed jobs")
+        parts += [f"- {f['job']['name']}: exit {f['status']}, log {f['log']}" for f in failures]
+    text = "\n\n".join(parts) + "\n" if parts else "no results yet\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.md").write_text(text)
+    return text
+
+
+def _child_main(argv: list[str] | None = None) -> int:
+    """Entry of a job's process: ``python -m mosaics.evaluation.sweep --job JSON --out DIR``."""
+    p = argparse.ArgumentParser(description="run one sweep job (started by eval/sweep.py)")
+    p.add_argument("--job", required=True, help="the job as JSON")
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    job = Job(**json.loads(args.job))
+    try:
+        run_job(job, Path(args.out), args.device)
+    except Exception:  # noqa: BLE001  (the whole traceback goes to the job's log)
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main())

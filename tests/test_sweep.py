@@ -1,0 +1,151 @@
+"""eval/sweep.py: job expansion, resume by skipping, failure records, merged tables, and one
+real tiny sweep of two processes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mosaics.evaluation import sweep
+from mosaics.evaluation.experiments import write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_SORT = ["--set", "steps=2", "--set", "eval_every=1", "--set", "n_val=4",
+             "--set", "n_samples=3", "--set", "multipliers=[1,2]", "--set", "n_layer=1",
+             "--set", "n_embd=16", "--set", "n_head=2"]
+
+
+def test_expand_jobs_is_a_cartesian_product():
+    jobs, notes = sweep.expand_jobs(["regbench", "sort"], ["gaussian", "gpt2", "llama"], [0, 1],
+                                    [100, 1000], "cpu", {"steps": 5, "max_steps": 3})
+    names = [j.name for j in jobs]
+    assert len(names) == len(set(names)) == 3 * 2 * 2 + 2 * 2  # sort x gpt2 left out
+    assert any("gpt2" in n for n in notes)
+    reg = [j for j in jobs if j.task == "regbench"]
+    srt = [j for j in jobs if j.task == "sort"]
+    assert {j.size for j in reg} == {100, 1000} and {j.size for j in srt} == {None}
+    assert all(j.overrides == {"max_steps": 3} for j in reg)  # each task keeps its own keys
+    assert all(j.overrides == {"steps": 5} for j in srt)
+    assert {j.model for j in jobs} == {"mosaics/gaussian", "gpt2", "llama"}
+    assert jobs[0].kernel == "gaussian" and srt[-1].kernel is None
+
+
+def test_paper_suite_covers_both_tables():
+    jobs = sweep.paper_jobs(seeds=[0, 1])
+    assert len(jobs) == 2 * (9 * 4 + 9 + 9)
+    sort = {j.label for j in jobs if j.task == "sort"}
+    assert "llama" in sort and "mosaics/gaussian_knn (k=32)" in sort and "gpt2" not in sort
+    assert {j.size for j in jobs if j.task == "regbench"} == set(sweep.PAPER_SIZES)
+    assert all(j.preset == "reference" and not j.overrides for j in jobs)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"task": "copy", "model": "gaussian"}, "unknown task"),
+    ({"task": "sort", "model": "nope"}, "registered kernels"),
+    ({"task": "sort", "model": "gpt2"}, "llama"),
+    ({"task": "sort", "model": "llama", "preset": "huge"}, "preset"),
+    ({"task": "sort", "model": "llama", "overrides": {"stepz": 1}}, "unknown protocol"),
+])
+def test_bad_jobs_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        sweep.make_job(**kwargs)
+
+
+def test_job_file_grid_and_list(tmp_path):
+    (tmp_path / "jobs.yaml").write_text(
+        "defaults: {preset: cpu, overrides: {steps: 7}}\n"
+        "grid: {task: sort, model: [gaussian, llama], seed: [0, 1]}\n"
+        "jobs:\n"
+        "  - {task: regbench, model: gpt2, size: 500, overrides: {max_steps: 4}}\n"
+        "  - {task: mqmtar, model: gaussian_knn, kernel_kwargs: {k: 32}}\n")
+    jobs, _ = sweep.load_job_file(tmp_path / "jobs.yaml")
+    assert len(jobs) == 6
+    reg = next(j for j in jobs if j.task == "regbench")
+    assert reg.size == 500 and reg.overrides == {"max_steps": 4} and reg.preset == "cpu"
+    knn = next(j for j in jobs if j.task == "mqmtar")
+    assert knn.kernel_kwargs == {"k": 32} and "k32" in knn.name and knn.overrides == {"steps": 7}
+    (tmp_path / "list.json").write_text(json.dumps([{"task": "sort", "model": "llama"}]))
+    assert [j.name for j in sweep.load_job_file(tmp_path / "list.json")[0]] == [
+        "sort-llama-s0-reference"]
+
+
+def _fake_extrapolation(out, job, em):
+    record = {"job": sweep._job_record(job), "seconds": 1.0,
+              "results": {"task": job.task, "lengths": [64, 128], "seed": job.seed, "runs": [{
+                  "label": job.model, "exact_match": {"64": em, "128": em / 2},
+                  "token_accuracy": {"64": 1.0, "128": 0.9}, "train": {"steps": 2}}]}}
+    write_json(sweep.result_path(out, job), record)
+
+
+def _fake_regbench(out, job, acc):
+    base = {"oracle": {"accuracy": 1.0, "tvd": 0.0},
+            "in-context 2-gram": {"accuracy": 0.8 + job.seed / 100, "tvd": 0.3}}
+    record = {"job": sweep._job_record(job), "seconds": 1.0,
+              "results": {"seed": job.seed, "baselines": base, "runs": [{
+                  "label": job.model, "size": job.size, "accuracy": acc, "tvd": 1 - acc,
+                  "train": {"steps": 3}}]}}
+    write_json(sweep.result_path(out, job), record)
+
+
+def test_existing_results_are_skipped(tmp_path):
+    jobs, _ = sweep.expand_jobs(["sort"], ["gaussian", "llama"], [0], preset="cpu")
+    for job in jobs:
+        _fake_extrapolation(tmp_path, job, 0.5)
+    lines = []
+    done = sweep.run_sweep(jobs, tmp_path, parallel=2, report=lines.append)
+    assert done["skipped"] == jobs and not done["finished"] and not done["failed"]
+    assert "2 already done, 0 to run" in lines[0]
+    assert not (tmp_path / "logs").exists()
+
+
+def test_a_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
+    bad = sweep.Job("sort", "mosaics/no_such_kernel", preset="cpu",
+                    overrides={"steps": 1, "n_val": 2, "n_samples": 1, "multipliers": [1]})
+    good = sweep.make_job("sort", "gaussian", preset="cpu")
+    _fake_extrapolation(tmp_path, good, 1.0)
+    done = sweep.run_sweep([bad, good], tmp_path, report=lambda _: None)
+    assert done["failed"] == [bad] and done["skipped"] == [good]
+    record = json.loads(sweep.failure_path(tmp_path, bad).read_text())
+    assert record["status"] != 0 and "no_such_kernel" in record["log_tail"]
+    assert not sweep.result_path(tmp_path, bad).exists()  # so the next sweep retries it
+    text = sweep.summarize(tmp_path, plot=False)
+    assert "failed jobs" in text and bad.name in text
+
+
+def test_merged_tables_from_result_files(tmp_path):
+    for seed, em in [(0, 0.5), (1, 0.7)]:
+        _fake_extrapolation(tmp_path, sweep.make_job("sort", "gaussian", seed, preset="cpu"), em)
+    _fake_extrapolation(tmp_path, sweep.make_job("sort", "llama", 0, preset="cpu"), 1.0)
+    for seed in (0, 1):
+        for size, acc in [(100, 0.6), (1000, 0.9)]:
+            _fake_regbench(tmp_path, sweep.make_job("regbench", "gpt2", seed, size, "cpu"),
+                           acc + seed / 10)
+    text = sweep.summarize(tmp_path)
+    assert "| mosaics/gaussian | 0.600 ± 0.141 (2) | 0.300 ± 0.071 (2) |" in text
+    assert "| llama | 1.000 | 0.500 |" in text
+    assert "| gpt2 | 0.650 ± 0.071 (2) / 0.350 ± 0.071 (2) |" in text
+    assert "| in-context 2-gram | 0.805 ± 0.007 (2) / 0.300 ± 0.000 (2) |" in text
+    assert (tmp_path / "summary.md").read_text() == text
+    assert (tmp_path / "sort-cpu.png").stat().st_size > 0
+    assert (tmp_path / "regbench-cpu.png").stat().st_size > 0
+
+
+def test_tiny_sweep_end_to_end_with_two_processes(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "eval/sweep.py", "--task", "sort", "--model", "mosaics/gaussian",
+           "llama", "--preset", "cpu", *TINY_SORT, "--jobs", "2", "--device", "cpu",
+           "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = sorted(p.name for p in (tmp_path / "results").glob("*.json"))
+    assert len(results) == 2 and any("llama" in r for r in results)
+    assert "| mosaics/gaussian |" in proc.stdout and "| llama |" in proc.stdout
+    metrics = list((tmp_path / "jobs").glob("*/runs/*/metrics.jsonl"))
+    assert len(metrics) == 2
+    rows = [json.loads(line) for line in metrics[0].read_text().splitlines()]
+    assert any("val/exact_match" in r for r in rows)
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0 and "2 already done, 0 to run" in again.stdout
