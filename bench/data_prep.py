@@ -20,6 +20,7 @@ import os
 import resource
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +36,28 @@ def peak_rss_mb() -> float:
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return max(own, children) / 1024
+
+
+class AnonPeak:
+    """Peak anonymous resident memory (``RssAnon``: heap, not file pages), sampled every
+    50 ms by a thread while the ``with`` block runs (this process only)."""
+
+    def __enter__(self) -> AnonPeak:
+        self.peak, self._stop = 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("RssAnon:"):
+                    self.peak = max(self.peak, int(line.split()[1]) / 1024)
+            self._stop.wait(0.05)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def write_corpus(path: Path, megabytes: float, seed: int) -> tuple[int, int]:
@@ -71,25 +94,29 @@ def main() -> None:
 
     t = time.perf_counter()
     stories, text_bytes = write_corpus(source / "traindataset.txt", args.megabytes, seed=0)
-    rows.append(("write synthetic text", time.perf_counter() - t, text_bytes, None))
+    rows.append(("write synthetic text", time.perf_counter() - t, text_bytes, None, None))
 
     t = time.perf_counter()
-    ds = load_texts(str(source), "train", cache_dir=str(cache / "datasets"))
+    with AnonPeak() as heap:
+        ds = load_texts(str(source), "train", cache_dir=str(cache / "datasets"))
     rows.append(("text -> Arrow", time.perf_counter() - t, folder_bytes(cache / "datasets"),
-                 peak_rss_mb()))
+                 peak_rss_mb(), heap.peak))
 
     t = time.perf_counter()
-    texts = (ds[i: i + 1000]["text"] for i in range(0, len(ds), 1000))
-    tokenizer = train_bpe_tokenizer((x for chunk in texts for x in chunk), args.vocab_size)
+    with AnonPeak() as heap:
+        texts = (ds[i: i + 1000]["text"] for i in range(0, len(ds), 1000))
+        tokenizer = train_bpe_tokenizer((x for chunk in texts for x in chunk), args.vocab_size)
     rows.append((f"BPE training (vocab {args.vocab_size})", time.perf_counter() - t, None,
-                 peak_rss_mb()))
+                 peak_rss_mb(), heap.peak))
 
     t = time.perf_counter()
-    tokens = tokenize_to_stream(ds, tokenizer, num_proc=args.num_proc,
-                                cache_dir=cache / "tokens")
+    with AnonPeak() as heap:
+        tokens = tokenize_to_stream(ds, tokenizer, num_proc=args.num_proc,
+                                    cache_dir=cache / "tokens")
     stream_bytes = sum(f.stat().st_size for f in (cache / "tokens").glob("tokens-*.npy"))
     rows.append((f"tokenize -> .npy ({args.num_proc} proc)", time.perf_counter() - t,
-                 folder_bytes(cache / "datasets") - rows[1][2] + stream_bytes, peak_rss_mb()))
+                 folder_bytes(cache / "datasets") - rows[1][2] + stream_bytes, peak_rss_mb(),
+                 heap.peak))
 
     n_tokens = len(tokens)
     scale = BABI_TRAIN_BYTES / text_bytes
@@ -97,16 +124,20 @@ def main() -> None:
           f"({text_bytes / n_tokens:.2f} bytes/token, stream {tokens.dtype})")
     print(f"scale to BabiStories' training text (~{BABI_TRAIN_BYTES / 1e9:.1f} GB, "
           f"{BABI_TRAIN_TOKENS / 1e6:.0f}M GPT-2 tokens): x{scale:.1f} by text bytes\n")
-    print(f"{'stage':<32}{'seconds':>9}{'disk MB':>10}{'peak RSS MB':>13}"
+    print("peak RSS counts the memory-mapped file pages read (reclaimable); heap is the peak "
+          "anonymous memory of this process during the stage\n")
+    print(f"{'stage':<32}{'seconds':>9}{'disk MB':>10}{'peak RSS MB':>13}{'heap MB':>9}"
           f"{'scaled s':>10}{'scaled GB':>11}")
-    for name, seconds, disk, rss in rows:
+    for name, seconds, disk, rss, anon in rows:
         disk_mb = f"{disk / 1e6:.0f}" if disk is not None else "-"
         scaled_gb = f"{disk * scale / 1e9:.1f}" if disk is not None else "-"
         rss_mb = f"{rss:.0f}" if rss is not None else "-"
-        print(f"{name:<32}{seconds:>9.1f}{disk_mb:>10}{rss_mb:>13}{seconds * scale:>10.0f}"
-              f"{scaled_gb:>11}")
+        anon_mb = f"{anon:.0f}" if anon is not None else "-"
+        print(f"{name:<32}{seconds:>9.1f}{disk_mb:>10}{rss_mb:>13}{anon_mb:>9}"
+              f"{seconds * scale:>10.0f}{scaled_gb:>11}")
     total = sum(r[1] for r in rows[1:])
-    print(f"{'prepare (all but writing)':<32}{total:>9.1f}{'':>10}{'':>13}{total * scale:>10.0f}")
+    print(f"{'prepare (all but writing)':<32}{total:>9.1f}{'':>10}{'':>13}{'':>9}"
+          f"{total * scale:>10.0f}")
     if args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
 
