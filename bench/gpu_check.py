@@ -1,0 +1,283 @@
+"""One command to check a GPU machine: CUDA tests, throughput, kernel speed, DeepSpeed, memory.
+
+    python bench/gpu_check.py                          # on a CUDA machine, under 8 minutes
+    python bench/gpu_check.py --device cpu --quick     # smoke run of every section on CPU
+
+Sections (each with its own time limit; a failing section is recorded and the rest go on):
+
+1. ``tests``: ``pytest -m cuda`` (kernels on CUDA against the CPU reference, bf16 training
+   steps, cached generation, the chunked loss under autocast, DeepSpeed on one GPU).
+2. ``throughput``: training tokens/s of Memory Mosaics against a GPT-2 of the same size at the
+   124M shape (12 layers, d 768, 12 heads, vocabulary 50304), bf16 autocast, T 512 and 2048,
+   with peak memory; the two models alternate step by step.
+3. ``kernels``: contextual-memory forward + backward time of every kernel against ``gaussian``
+   at T 1k, 4k, 16k (B 1, H 12, head size 64), with peak memory.
+4. ``deepspeed``: ``train.py`` under DeepSpeed ZeRO-2 on one GPU for a few steps with a
+   checkpoint, then resumed from it; the resumed losses must equal the uninterrupted ones.
+
+Writes ``<out>/gpu_check.json`` and prints a table per section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_mb(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else None
+
+
+def autocast(device: str, dtype: torch.dtype | None):  # noqa: ANN201
+    if dtype is None:
+        return torch.autocast("cpu", enabled=False)
+    return torch.autocast(device.split(":")[0], dtype=dtype)
+
+
+# --- 1. CUDA tests -----------------------------------------------------------------------
+
+def run_tests(args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests", "-p", "no:cacheprovider"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                          timeout=args.tests_timeout)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+    print("\n".join(tail))
+    return {"returncode": proc.returncode, "summary": tail[-1] if tail else ""}
+
+
+# --- 2. training throughput ----------------------------------------------------------------
+
+def build_pair(n_layer: int, n_embd: int, n_head: int, vocab: int, T: int):  # noqa: ANN201
+    from transformers import GPT2LMHeadModel
+
+    from mosaics import MosaicsConfig, MosaicsForCausalLM
+    from mosaics.baselines import gpt2_config_like
+
+    cfg = MosaicsConfig(vocab_size=vocab, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                        block_size=T, dropout=0.0)
+    gcfg = gpt2_config_like(cfg, n_positions=T)
+    gcfg._attn_implementation = "sdpa"
+    return {"mosaics": MosaicsForCausalLM(cfg), "gpt2": GPT2LMHeadModel(gcfg)}
+
+
+def throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
+    dtype = torch.bfloat16 if args.precision == "bf16" else None
+    rows = []
+    for T in args.lengths:
+        batch = max(1, args.tokens_per_step // T)
+        torch.manual_seed(0)
+        models = {k: m.to(args.device).train()
+                  for k, m in build_pair(args.n_layer, args.n_embd, args.n_head, args.vocab,
+                                         T).items()}
+        opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=args.device != "cpu")
+                for k, m in models.items()}
+        ids = torch.randint(0, args.vocab, (batch, T), device=args.device)
+        times: dict[str, list[float]] = {k: [] for k in models}
+        peaks: dict[str, float | None] = {}
+        for i in range(args.warmup + args.steps):
+            for name, model in models.items():
+                reset_peak(args.device)
+                sync(args.device)
+                t0 = time.perf_counter()
+                with autocast(args.device, dtype):
+                    loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opts[name].step()
+                opts[name].zero_grad(set_to_none=True)
+                sync(args.device)
+                if i >= args.warmup:
+                    times[name].append(time.perf_counter() - t0)
+                peaks[name] = peak_mb(args.device)
+        step = {k: statistics.median(v) for k, v in times.items()}
+        for name in models:
+            rows.append({"T": T, "batch": batch, "model": name,
+                         "params": sum(p.numel() for p in models[name].parameters()),
+                         "step_ms": 1e3 * step[name], "tok_s": batch * T / step[name],
+                         "peak_mb": peaks[name],
+                         "ratio_vs_gpt2": step["gpt2"] / step[name]})
+        del models, opts
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    print(f"{'T':>6} {'batch':>6} {'model':>8} {'params':>12} {'step ms':>9} {'tok/s':>10} "
+          f"{'peak MB':>9} {'vs GPT-2':>9}")
+    for r in rows:
+        peak = f"{r['peak_mb']:.0f}" if r["peak_mb"] is not None else "-"
+        print(f"{r['T']:>6} {r['batch']:>6} {r['model']:>8} {r['params']:>12,} "
+              f"{r['step_ms']:>9.1f} {r['tok_s']:>10.0f} {peak:>9} {r['ratio_vs_gpt2']:>9.2f}")
+    return rows
+
+
+# --- 3. kernels ----------------------------------------------------------------------------
+
+def kernel_speed(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from mosaics import available_kernels, get_kernel
+
+    H, hs = args.kernel_heads, args.kernel_head_size
+    rows = []
+    for T in args.kernel_lengths:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        keys = torch.nn.functional.normalize(torch.randn(1, H, T, hs, generator=g), dim=-1)
+        values = torch.randn(1, H, T, hs, generator=g)
+        keys, values = keys.to(args.device), values.to(args.device)
+        beta = torch.full((H,), 7.39, device=args.device)
+        base = None
+        for name in ["gaussian"] + [k for k in available_kernels() if k != "gaussian"]:
+            row: dict[str, Any] = {"T": T, "kernel": name}
+            try:
+                kernel = get_kernel(name)
+                kernel.build(H, hs)
+                kernel.to(args.device)
+                times = []
+                for i in range(args.kernel_warmup + args.kernel_repeats):
+                    k = keys.detach().requires_grad_()
+                    v = values.detach().requires_grad_()
+                    reset_peak(args.device)
+                    sync(args.device)
+                    t0 = time.perf_counter()
+                    out = kernel(k, v, beta)
+                    out.float().square().sum().backward()
+                    sync(args.device)
+                    if i >= args.kernel_warmup:
+                        times.append(time.perf_counter() - t0)
+                row["ms"] = 1e3 * statistics.median(times)
+                row["peak_mb"] = peak_mb(args.device)
+                if name == "gaussian":
+                    base = row["ms"]
+                row["vs_gaussian"] = row["ms"] / base if base else None
+            except Exception as err:  # out of memory at 16k, a kernel without a CUDA path...
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+                if args.device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+            rows.append(row)
+    print(f"{'T':>6} {'kernel':>20} {'fwd+bwd ms':>11} {'vs gaussian':>12} {'peak MB':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['T']:>6} {r['kernel']:>20}  {r['error']}")
+            continue
+        peak = f"{r['peak_mb']:.0f}" if r["peak_mb"] is not None else "-"
+        print(f"{r['T']:>6} {r['kernel']:>20} {r['ms']:>11.2f} {r['vs_gaussian']:>12.2f} "
+              f"{peak:>9}")
+    return rows
+
+
+# --- 4. DeepSpeed on one GPU -----------------------------------------------------------------
+
+def deepspeed_resume(args: argparse.Namespace) -> dict[str, Any]:
+    settings = ["n_layer=2", "n_head=4", "n_embd=64", "block_size=64", "batch_size=4",
+                "max_steps=12", "warmup_steps=2", "num_train_stories=400", "vocab_size=512",
+                "eval_interval=6", "eval_windows=8", "eval_batch_size=4", "log_interval=1",
+                "dropout=0.0", "progress_bar=false", "sample_tokens=0", "save_final=false",
+                "mixed_precision=bf16" if args.device.startswith("cuda") else "mixed_precision=no"]
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-ds-"))
+    settings.append(f"data_cache_dir={work / 'cache'}")
+
+    def launch(run_dir: Path, *extra: str) -> None:
+        port = 29500 + os.getpid() % 1000
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "configs/accelerate/deepspeed_zero2.yaml"), "--num_processes", "1",
+               "--main_process_port", str(port), str(ROOT / "train.py"), *settings,
+               f"run_dir={run_dir}", *extra]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                              timeout=args.deepspeed_timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[-3:])} failed:\n{proc.stderr[-2000:]}")
+
+    def losses(run_dir: Path) -> dict[int, float]:
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+    t0 = time.perf_counter()
+    launch(work / "full", "checkpoint_interval=6")
+    checkpoint = work / "full" / "checkpoints" / "step_0000006"
+    resumed = work / "resumed" / "checkpoints"
+    resumed.mkdir(parents=True)
+    subprocess.run(["cp", "-r", str(checkpoint), str(resumed)], check=True)
+    launch(work / "resumed", "resume=true", "checkpoint_interval=0")
+    full, again = losses(work / "full"), losses(work / "resumed")
+    diff = max(abs(full[s] - again[s]) for s in again)
+    result = {"steps_compared": sorted(again), "max_abs_loss_diff": diff,
+              "seconds": time.perf_counter() - t0, "ok": diff < 1e-3}
+    print(f"ZeRO-2 one process: resumed steps {min(again)}-{max(again)}, max |loss diff| "
+          f"{diff:.2e} ({'ok' if result['ok'] else 'MISMATCH'}), {result['seconds']:.0f} s")
+    return result
+
+
+# --- driver ------------------------------------------------------------------------------------
+
+SECTIONS = {"tests": run_tests, "throughput": throughput, "kernels": kernel_speed,
+            "deepspeed": deepspeed_resume}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke run)")
+    p.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    p.add_argument("--out", default="runs/gpu_check")
+    args = p.parse_args(argv)
+    big = not args.quick
+    args.precision = "bf16" if args.device.startswith("cuda") else "fp32"
+    args.n_layer, args.n_embd, args.n_head = (12, 768, 12) if big else (2, 64, 2)
+    args.vocab = 50304 if big else 512
+    args.lengths = [512, 2048] if big else [64]
+    args.tokens_per_step = 16384 if big else 256
+    args.steps, args.warmup = (10, 3) if big else (2, 1)
+    args.kernel_lengths = [1024, 4096, 16384] if big else [64, 128]
+    args.kernel_heads, args.kernel_head_size = (12, 64) if big else (2, 16)
+    args.kernel_repeats, args.kernel_warmup = (5, 2) if big else (1, 1)
+    args.tests_timeout, args.deepspeed_timeout = 240, 300
+    if not args.device.startswith("cuda"):
+        print(f"note: no CUDA device; running on {args.device} (nothing here measures a GPU)")
+
+    report: dict[str, Any] = {"device": args.device, "quick": args.quick,
+                              "torch": torch.__version__,
+                              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available()
+                              else None}
+    failed = []
+    for name in args.sections:
+        print(f"\n=== {name} ===")
+        t0 = time.perf_counter()
+        try:
+            report[name] = SECTIONS[name](args)
+        except Exception as err:
+            traceback.print_exc()
+            report[name] = {"error": f"{type(err).__name__}: {err}"}
+            failed.append(name)
+        report[f"{name}_seconds"] = time.perf_counter() - t0
+        if name == "tests" and report[name].get("returncode", 0) not in (0, 5):
+            failed.append(name)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    print(f"\nreport: {out / 'gpu_check.json'}" + (f"; failed: {', '.join(failed)}"
+                                                     if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""CUDA: every kernel against its CPU reference, bf16 training, cached generation, the chunked
+loss under autocast, DeepSpeed on one GPU. Skipped without a GPU (``pytest -m cuda`` selects
+these; ``bench/gpu_check.py`` runs them first)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mosaics import MosaicsConfig, MosaicsForCausalLM, available_kernels, get_kernel
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _kernel_io(T: int = 96, H: int = 4, hs: int = 32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.nn.functional.normalize(torch.randn(2, H, T, hs, generator=g), dim=-1)
+    values = torch.randn(2, H, T, hs, generator=g)
+    beta = torch.rand(H, generator=g) * 6 + 2
+    return keys, values, beta
+
+
+@pytest.mark.parametrize("name", available_kernels())
+def test_kernel_on_cuda_matches_cpu(name: str) -> None:
+    keys, values, beta = _kernel_io()
+    outs, grads = [], []
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        kernel = get_kernel(name)
+        kernel.build(keys.shape[1], keys.shape[-1])
+        kernel.to(device)
+        k = keys.to(device).requires_grad_()
+        v = values.to(device).requires_grad_()
+        out = kernel(k, v, beta.to(device))
+        out.square().sum().backward()
+        outs.append(out.detach().cpu())
+        grads.append((k.grad.cpu(), v.grad.cpu()))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+    for cuda_grad, cpu_grad in zip(grads[1], grads[0]):
+        torch.testing.assert_close(cuda_grad, cpu_grad, rtol=1e-3, atol=1e-3)
+    assert torch.all(outs[1][:, :, 0] == 0)  # row 0 has no memory
+
+
+def _tiny(kernel: str = "gaussian") -> MosaicsForCausalLM:
+    torch.manual_seed(0)
+    return MosaicsForCausalLM(MosaicsConfig(vocab_size=97, n_layer=2, n_head=4, n_embd=64,
+                                            block_size=128, dropout=0.0, kernel=kernel))
+
+
+@pytest.mark.parametrize("kernel", ["gaussian", "epanechnikov"])
+def test_bf16_autocast_training_step(kernel: str) -> None:
+    model = _tiny(kernel).cuda()
+    ids = torch.randint(0, 97, (4, 128), device="cuda")
+    with torch.no_grad():
+        reference = model(input_ids=ids, labels=ids).loss.item()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and abs(loss.item() - reference) < 0.05 * reference
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    opt.step()
+
+
+@pytest.mark.parametrize("kernel", ["gaussian", "epanechnikov"])
+def test_cached_generation_on_cuda_matches_recomputing(kernel: str) -> None:
+    model = _tiny(kernel).cuda().eval()
+    prompt = torch.randint(1, 97, (2, 40), device="cuda")  # 0 is the pad id
+    cached = model.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=True,
+                            pad_token_id=0)
+    full = model.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=False,
+                          pad_token_id=0)
+    assert torch.equal(cached, full)
+
+
+def test_chunked_loss_under_autocast() -> None:
+    from mosaics.fused_loss import linear_cross_entropy
+
+    torch.manual_seed(0)
+    hidden = torch.randn(300, 64, device="cuda", requires_grad=True)
+    weight = torch.randn(97, 64, device="cuda", requires_grad=True)
+    target = torch.randint(0, 97, (300,), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(hidden, weight, target)
+    reference = torch.nn.functional.cross_entropy((hidden @ weight.T).float(), target)
+    assert abs(loss.item() - reference.item()) < 2e-2 * reference.item()
+    loss.backward()
+    assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+def test_deepspeed_one_gpu_checkpoint_and_resume(tmp_path: Path) -> None:
+    settings = ["n_layer=2", "n_head=4", "n_embd=64", "block_size=64", "batch_size=4",
+                "max_steps=8", "warmup_steps=2", "num_train_stories=300", "vocab_size=400",
+                "eval_interval=4", "eval_windows=8", "eval_batch_size=4", "log_interval=1",
+                "dropout=0.0", "progress_bar=false", "sample_tokens=0", "save_final=false",
+                f"data_cache_dir={tmp_path / 'cache'}"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+
+    def launch(run_dir: Path, *extra: str) -> None:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "configs/accelerate/deepspeed_zero2.yaml"), "--num_processes", "1",
+               "--main_process_port", str(29400 + os.getpid() % 500), str(ROOT / "train.py"),
+               *settings, f"run_dir={run_dir}", *extra]
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+
+    def losses(run_dir: Path) -> dict[int, float]:
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+    launch(tmp_path / "full", "checkpoint_interval=4")
+    target = tmp_path / "resumed" / "checkpoints"
+    target.mkdir(parents=True)
+    shutil.copytree(tmp_path / "full/checkpoints/step_0000004", target / "step_0000004")
+    launch(tmp_path / "resumed", "resume=true", "checkpoint_interval=0")
+    full, again = losses(tmp_path / "full"), losses(tmp_path / "resumed")
+    assert sorted(again) == [5, 6, 7, 8]
+    for step, value in again.items():
+        assert value == pytest.approx(full[step], abs=1e-4)
