@@ -1,0 +1,110 @@
+"""Parts of the Memory Mosaics v2 block ("Memory Mosaics at scale", Zhang & Bottou, 2025).
+
+- :class:`AdaptiveBandwidth`: beta = beta1 n^alpha + beta0 per head, with n the number of
+  memory entries a query sees; beta0 = e^{min(theta0, 10)}, beta1 = e^{min(theta1, 10)}
+  (thetas init 1.5), alpha = min(|theta2|, 1) (init 1/3).
+- :class:`GatedKeys`: input-dependent key averaging kbar_t = g_t k~_t + lambda_t kbar_{t-1},
+  g_t = exp(W_g x_t), lambda_t = exp(-|W_lambda x_t + b_h|), per head, then k_t = kbar_t /
+  |kbar_t|. The per-head offset b_h (init: the v1 decay rates 0.5 .. 5) is this project's
+  addition, so that a fresh v2 block starts with v1's range of memory lengths; W_g and
+  W_lambda start at zero (g = 1, lambda_h = e^{-b_h}: exactly the v1 average).
+- :class:`SwiGLUMemory`: the v2 persistent memory, W2 (SiLU(W1 x) * W3 x).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .gated_leaky import gated_leaky_average, gated_leaky_step
+from .unit_norm import unit_vectors
+
+THETA_CAP = 10.0
+NORM_EPS = 1e-6
+
+
+class AdaptiveBandwidth(nn.Module):
+    """Per-head, per-query bandwidth beta_h(n) = beta1_h n^alpha_h + beta0_h."""
+
+    def __init__(self, n_head: int) -> None:
+        super().__init__()
+        self.theta0 = nn.Parameter(torch.full((n_head,), 1.5))
+        self.theta1 = nn.Parameter(torch.full((n_head,), 1.5))
+        self.theta2 = nn.Parameter(torch.full((n_head,), 1.0 / 3.0))
+
+    def forward(self, visible: Tensor) -> Tensor:
+        """(T,) or (B, T) counts of visible memory entries -> (H, T) or (B, H, T) bandwidths."""
+        beta0 = torch.exp(self.theta0.clamp(max=THETA_CAP))
+        beta1 = torch.exp(self.theta1.clamp(max=THETA_CAP))
+        alpha = self.theta2.abs().clamp(max=1.0)
+        n = visible.to(beta0.dtype).unsqueeze(-2)  # (..., 1, T)
+        shape = (-1, 1)
+        return beta1.view(shape) * n.pow(alpha.view(shape)) + beta0.view(shape)
+
+
+def visible_entries(T: int, offset: int = 0, window: int | None = None, gap: int = 1,
+                    device: torch.device | None = None) -> Tensor:
+    """(T,) number of memory entries s the query at position p = offset + t sees when s ranges
+    over [p - window + 1, p - gap] (window None: from 0), clamped at 0.
+
+    v1 and the plain contextual memory: gap 1 (strict past), no window -> n = p. Short-term
+    memory over the last h keys: window h, gap 1 -> min(p, h - 1). Long-term memory over keys
+    older than m: gap m -> max(p - m + 1, 0)."""
+    p = torch.arange(offset, offset + T, device=device)
+    hi = p - gap  # newest visible entry
+    lo = torch.zeros_like(p) if window is None else (p - window + 1).clamp(min=0)
+    return (hi - lo + 1).clamp(min=0)
+
+
+class GatedKeys(nn.Module):
+    """Gated, input-dependent leaky averages of per-head key features, then unit norm."""
+
+    def __init__(self, n_embd: int, n_head: int, chunk: int = 16) -> None:
+        super().__init__()
+        self.n_head, self.chunk = n_head, chunk
+        self.gate = nn.Linear(n_embd, n_head, bias=False)  # log g_t = W_g x_t
+        self.decay = nn.Linear(n_embd, n_head, bias=False)  # a_t = |W_lambda x_t + b|
+        self.decay_offset = nn.Parameter(torch.empty(n_head))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.gate.weight)
+        nn.init.zeros_(self.decay.weight)
+        self.decay_offset.copy_(torch.linspace(0.5, 5.0, self.n_head))
+
+    def rates(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, T, d) inputs -> gains g_t and log-decays a_t, each (B, H, T)."""
+        gain = torch.exp(self.gate(x)).transpose(1, 2)
+        log_decay = (self.decay(x) + self.decay_offset).abs().transpose(1, 2)
+        return gain, log_decay
+
+    def forward(self, x: Tensor, features: Tensor, state: Tensor | None = None,
+                documents: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Unit keys (B, H, T, hs) from inputs x (B, T, d) and key features k~ (B, H, T, hs),
+        continuing ``state`` (B, H, hs); returns the keys and the new un-normalised state."""
+        gain, log_decay = self.rates(x)
+        if features.shape[2] == 1 and state is not None:  # one decoding step
+            kbar = gated_leaky_step(features[:, :, 0], gain[:, :, 0], log_decay[:, :, 0],
+                                    state).unsqueeze(2)
+            last = kbar[:, :, 0]
+        else:
+            kbar, last = gated_leaky_average(features, gain, log_decay, self.chunk, state,
+                                             documents)
+        return unit_vectors(kbar, NORM_EPS), last
+
+
+class SwiGLUMemory(nn.Module):
+    """Persistent memory of v2: y = W2 (SiLU(W1 x) * W3 x), hidden width ``hidden``."""
+
+    def __init__(self, n_embd: int, hidden: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(n_embd, hidden, bias=False)
+        self.w3 = nn.Linear(n_embd, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, n_embd, bias=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(B, T, d) -> (B, T, d)."""
+        return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
