@@ -5,7 +5,7 @@ K(u) ~ (1 - u^2)_+^r: r = 1 Epanechnikov (sparsemax), r = 2 biweight (1.5-entmax
 triweight (4/3-entmax). The support adapts per query: p_ts = [(alpha-1) s_ts - tau_t]_+^r.
 
 Options (``kernel_kwargs``): ``alpha`` (default 1.5) or ``r`` (alpha = 1 + 1/r), not both;
-``n_iter`` (default 50) caps the Newton/bisection iterations for alphas without an exact solver.
+``n_iter`` (default 50) caps the Newton (alpha > 2: bisection) iterations of the threshold.
 """
 
 from __future__ import annotations
@@ -13,19 +13,16 @@ from __future__ import annotations
 from torch import Tensor
 
 from .base import register_kernel
-from .normalizers import (
-    check_alpha,
-    entmax_backward,
-    entmax_forward,
-    entmax_from_threshold,
-    entmax_threshold,
-)
-from .score_kernel import ScoreKernel, check_positive, check_positive_int
+from .normalizers import check_alpha, entmax_backward, entmax_exponent, entmax_tau
+from .score_kernel import PowerKernel, check_positive, check_positive_int
 
 
 @register_kernel("entmax")
-class EntmaxKernel(ScoreKernel):
-    """alpha-entmax over the strict past (exact for alpha = 2 and 1.5, Newton/bisection else)."""
+class EntmaxKernel(PowerKernel):
+    """alpha-entmax over the strict past: u = [(alpha - 1) beta (c - max c) - tau]_+, r = 1 /
+    (alpha - 1), tau from :func:`~.normalizers.entmax_tau` (Newton from a block lower bound)."""
+
+    entmax_gradient = True
 
     def __init__(self, alpha: float | None = None, r: float | None = None,
                  n_iter: int = 50) -> None:
@@ -39,17 +36,12 @@ class EntmaxKernel(ScoreKernel):
         check_alpha(alpha)
         self.alpha = float(alpha)
         self.n_iter = check_positive_int(self.name, "n_iter", n_iter)
+        self.power = entmax_exponent(self.alpha)
+        self.score_scale = self.alpha - 1.0
 
-    def score_weights(self, z: Tensor, mask: Tensor) -> Tensor:
-        return entmax_forward(z, self.alpha, mask, self.n_iter)
-
-    def weights_and_state(self, cos: Tensor, beta: Tensor,
-                          mask: Tensor) -> tuple[Tensor, Tensor | None]:
-        return entmax_threshold(cos * beta, self.alpha, mask, self.n_iter)  # state: max, tau, sum
-
-    def weights_from_state(self, cos: Tensor, beta: Tensor, mask: Tensor,
-                           state: Tensor | None) -> Tensor:
-        return entmax_from_threshold(cos * beta, self.alpha, mask, state)
+    def row_shift(self, x: Tensor, bmax: Tensor | None,
+                  buffers: tuple[Tensor, Tensor] | None) -> Tensor:
+        return entmax_tau(x, self.alpha, self.n_iter, bmax, buffers)
 
     def score_backward(self, p: Tensor, dp: Tensor, z: Tensor, mask: Tensor) -> Tensor:
         return entmax_backward(p, dp, self.alpha)

@@ -14,13 +14,7 @@ import torch
 from torch import Tensor
 
 from .base import register_kernel
-from .score_kernel import ScoreKernel, check_positive
-
-
-def power_normalize(u: Tensor, r: float) -> Tensor:
-    """w = u^r / sum(u^r) along the last dim for u >= 0; all-zero rows stay 0."""
-    a = u if r == 1.0 else u.pow(r)
-    return a / a.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(a.dtype).tiny)
+from .score_kernel import PowerKernel, check_positive
 
 
 def power_normalize_backward(p: Tensor, dp: Tensor, u: Tensor, r: float) -> Tensor:
@@ -31,19 +25,24 @@ def power_normalize_backward(p: Tensor, dp: Tensor, u: Tensor, r: float) -> Tens
 
 
 @register_kernel("epanechnikov_fixed")
-class EpanechnikovFixedKernel(ScoreKernel):
-    """[1 - beta (1 - cos)]_+^r normalized over the strict past; empty support outputs 0."""
+class EpanechnikovFixedKernel(PowerKernel):
+    """[1 - beta (1 - cos)]_+^r normalized over the strict past; empty support outputs 0. In
+    :class:`PowerKernel` terms u = [beta (c - 1) + 1]_+: anchor 1, shift -1, no solver."""
+
+    anchor = 1.0
 
     def __init__(self, r: float = 1.0) -> None:
         super().__init__()
         self.r = check_positive(self.name, "r", r)
+        self.power = self.r
+
+    def row_shift(self, x: Tensor, bmax: Tensor | None,
+                  buffers: tuple[Tensor, Tensor] | None) -> float:
+        return -1.0
 
     def _u(self, cos: Tensor, beta: Tensor, mask: Tensor) -> Tensor:
         u = (1.0 - beta * (1.0 - cos)).clamp_min(0.0)
         return u.masked_fill(~mask, 0.0)
-
-    def weights(self, cos: Tensor, beta: Tensor, mask: Tensor) -> Tensor:
-        return power_normalize(self._u(cos, beta, mask), self.r)
 
     def weights_backward(self, p: Tensor, dp: Tensor, cos: Tensor, beta: Tensor,
                          mask: Tensor) -> tuple[Tensor, Tensor]:

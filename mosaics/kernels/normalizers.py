@@ -2,18 +2,30 @@
 
 alpha-entmax maps a score row z to the distribution
 
-    p_i = [(alpha - 1) z_i - tau]_+^(1 / (alpha - 1)),   tau such that sum_i p_i = 1,
+    p_i = [x_i - tau]_+^r,   x = (alpha - 1)(z - max z),   r = 1 / (alpha - 1),
 
-with sparsemax the alpha = 2 case and 1.5-entmax the alpha = 1.5 case (softmax is the limit
-alpha -> 1). All functions work on the last dimension, take an optional boolean ``mask``
-(True = valid entry, broadcastable to the scores), compute in fp32 (fp64 stays fp64), subtract
-the row max before solving for tau, give exactly 0 on masked entries and output an all-zero
-row (never NaN) when a row has no valid entry.
+with tau such that sum_i p_i = 1; sparsemax is the alpha = 2 case and 1.5-entmax the
+alpha = 1.5 case (softmax is the limit alpha -> 1). All functions work on the last dimension,
+take an optional boolean ``mask`` (True = valid entry, broadcastable to the scores), compute
+in fp32 (fp64 stays fp64), subtract the row max before solving for tau, give exactly 0 on
+masked entries and output an all-zero row (never NaN) when a row has no valid entry.
 
-Solvers: alpha = 2 and 1.5 are solved exactly by sorting; any other alpha by a safeguarded
-Newton iteration on tau inside the bracket [-1, -(1/n)^(alpha-1)] followed by an explicit
-renormalization (so rows always sum to one). Only candidates with (alpha - 1)(z_i - max) > -1
-can be in the support, so the sort / iteration runs on the top-c entries when that set is small.
+Threshold solver (:func:`entmax_tau`), for alpha <= 2 (r >= 1):
+
+1. a lower bound: the entries of a row are cut into 16 strided blocks and the threshold of
+   the block maxima alone is solved (a few Newton steps on a row 16x shorter); a subset of the
+   entries has a smaller threshold, so tau >= that bound;
+2. only blocks whose maximum exceeds the bound can hold the support: they are gathered into a
+   narrower tensor when they are at most half of the row;
+3. Newton's method on g(tau) = ||[x - tau]_+||_r - 1 from the lower bound. g is convex and
+   decreasing, so the iterates increase monotonically to the root; for r = 1 (sparsemax) each
+   step is tau <- (sum_{x > tau} x - 1) / #{x > tau} and stops exactly on the sort-based
+   solution, for other r the convergence is quadratic (3-4 steps measured at T 1024-4096,
+   beta e^2, from the block bound). The r-norm form is exact in one step for a single entry
+   and stays well conditioned for large r, where Newton on sum [x - tau]_+^r - 1 crawls.
+
+alpha > 2 (r < 1, g not convex) uses a safeguarded Newton/bisection inside the bracket
+[-1, -(1/n)^(alpha-1)]. Rows are renormalized at the end, so they always sum to one.
 
 Backward (the Jacobian-vector product of Peters et al., 2019), with g = p^(2 - alpha) on the
 support and 0 elsewhere:  dz = g * dp - g * sum(g * dp) / sum(g).
@@ -24,6 +36,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+
+BLOCK = 16  # strided blocks per row of the threshold's lower bound
+LOWER_BOUND_STEPS = 4  # Newton steps on the block maxima
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -51,45 +66,11 @@ def row_max(x: Tensor) -> Tensor:
     return torch.where(torch.isfinite(top), top, torch.zeros_like(top))
 
 
-def _top_candidates(x: Tensor, sort: bool) -> Tensor:
-    """Entries of the shifted row x that can be in the support (x > -1), as a narrower tensor.
-
-    Returns the top-c values (sorted descending if ``sort``) where c is the largest candidate
-    count over all rows; falls back to the whole (sorted) row when c is not small.
-    """
-    n = x.shape[-1]
-    c = max(int((x > -1.0).sum(dim=-1).max()) if x.numel() else 1, 1)
-    if 4 * c < n:
-        return x.topk(c, dim=-1, sorted=sort).values
-    return x.sort(dim=-1, descending=True).values if sort else x
-
-
-def _sparsemax_tau(x: Tensor) -> Tensor:
-    """Exact threshold of sparsemax on shifted scores x (sort-based)."""
-    srt = _top_candidates(x, sort=True)
-    valid = torch.isfinite(srt)
-    srt = srt.masked_fill(~valid, 0.0)
-    ks = torch.arange(1, srt.shape[-1] + 1, device=x.device, dtype=x.dtype)
-    csum = srt.cumsum(dim=-1)
-    support = ((1.0 + ks * srt) > csum) & valid
-    size = support.sum(dim=-1, keepdim=True)
-    return (csum.gather(-1, (size - 1).clamp_min(0)) - 1.0) / size.clamp_min(1).to(x.dtype)
-
-
-def _entmax15_tau(x: Tensor) -> Tensor:
-    """Exact threshold of 1.5-entmax on shifted, halved scores x (sort-based)."""
-    srt = _top_candidates(x, sort=True)
-    valid = torch.isfinite(srt)
-    srt = srt.masked_fill(~valid, 0.0)
-    ks = torch.arange(1, srt.shape[-1] + 1, device=x.device, dtype=x.dtype)
-    mean = srt.cumsum(dim=-1) / ks
-    mean_sq = (srt * srt).cumsum(dim=-1) / ks
-    spread = ks * (mean_sq - mean * mean)
-    delta = ((1.0 - spread) / ks).clamp_min(0.0)
-    tau_k = mean - delta.sqrt()
-    support = (tau_k <= srt) & valid
-    size = support.sum(dim=-1, keepdim=True)
-    return tau_k.gather(-1, (size - 1).clamp_min(0))
+def block_max(x: Tensor) -> Tensor:
+    """(..., W / BLOCK) maxima of the strided blocks {j, j + W/BLOCK, j + 2 W/BLOCK, ...} of
+    each row; W must be a multiple of BLOCK (a max over the second-to-last axis of the
+    (..., BLOCK, W / BLOCK) view vectorizes, unlike a max over short contiguous runs)."""
+    return x.unflatten(-1, (BLOCK, x.shape[-1] // BLOCK)).amax(dim=-2)
 
 
 def entmax_exponent(alpha: float) -> float | int:
@@ -98,30 +79,71 @@ def entmax_exponent(alpha: float) -> float | int:
     return round(r) if abs(r - round(r)) < 1e-9 else r
 
 
-def _bisect_tau(x: Tensor, alpha: float, n_iter: int) -> Tensor:
-    """Threshold of alpha-entmax on shifted, scaled scores x: safeguarded Newton/bisection.
+def power_sums(d: Tensor, r: float, buf: Tensor) -> tuple[Tensor, Tensor]:
+    """(sum d^r, sum d^(r-1)) over the last dim of d >= 0, (..., 1) each, d^0 = 1[d > 0].
 
-    f(tau) = sum_i [x_i - tau]_+^r - 1 is decreasing; the bracket [lo, hi] keeps f(lo) >= 0 >=
-    f(hi), a Newton step is taken when it stays inside the bracket, bisection otherwise.
+    ``buf`` (shaped like d) is overwritten: no temporary of the size of d is allocated.
     """
+    if r == 1:
+        return d.sum(-1, keepdim=True), torch.sign(d, out=buf).sum(-1, keepdim=True)
+    if r == 2:
+        return (torch.linalg.vector_norm(d, 2, dim=-1, keepdim=True).square(),
+                d.sum(-1, keepdim=True))
+    torch.pow(d, r - 1, out=buf)
+    low = buf.sum(-1, keepdim=True)
+    return buf.mul_(d).sum(-1, keepdim=True), low
+
+
+def newton_tau(x: Tensor, r: float, tau: Tensor, n_iter: int, tol: float | None = None,
+               buffers: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """Newton's method on g(tau) = (sum_i [x_i - tau]_+^r)^(1/r) - 1 from a lower bound.
+
+    With f = sum d^r and s = sum d^(r-1), d = [x - tau]_+, the step is
+    tau <- tau + (f - f^(1 - 1/r)) / s. For r >= 1, g is convex and decreasing: from
+    tau <= root the iterates increase to the root. Stops when every step is <= ``tol``
+    (default 16 eps; None: run ``n_iter`` steps). Rows without a valid entry keep their tau.
+    ``buffers``: two tensors shaped like x, overwritten (allocated when None).
+    """
+    d, buf = buffers if buffers is not None else (torch.empty_like(x), torch.empty_like(x))
+    tol = 16 * torch.finfo(x.dtype).eps if tol is None else tol
+    for _ in range(n_iter):
+        torch.sub(x, tau, out=d).clamp_min_(0.0)
+        f, s = power_sums(d, r, buf)
+        step = (f - f.pow(1.0 - 1.0 / r)).div_(s).nan_to_num_(0.0, posinf=0.0, neginf=0.0)
+        tau = tau + step
+        if bool(step.abs().max() <= tol):
+            break
+    return tau
+
+
+def candidate_blocks(x: Tensor, bmax: Tensor, lower: Tensor) -> Tensor:
+    """The strided blocks of x whose max exceeds ``lower``, gathered into (..., BLOCK c) with c
+    the largest such count over rows (extra blocks are harmless: all their entries are
+    <= lower); x itself when that is more than half of the row."""
+    nb = bmax.shape[-1]
+    c = max(int((bmax > lower).sum(-1).max()), 1) if bmax.numel() else 1
+    if 2 * c > nb:
+        return x
+    idx = bmax.topk(c, dim=-1, sorted=False).indices.unsqueeze(-2)
+    blocks = x.unflatten(-1, (BLOCK, nb)).gather(-1, idx.expand(*idx.shape[:-2], BLOCK, c))
+    return blocks.flatten(-2)
+
+
+def _bisect_tau(x: Tensor, alpha: float, n_iter: int) -> Tensor:
+    """Threshold for alpha > 2 (r < 1): safeguarded Newton/bisection on f(tau) = sum_i
+    [x_i - tau]_+^r - 1, decreasing; the bracket [lo, hi] keeps f(lo) >= 0 >= f(hi)."""
     r = entmax_exponent(alpha)
     tiny = torch.finfo(x.dtype).tiny
-    cand = _top_candidates(x, sort=False)
-    n_valid = torch.isfinite(cand).sum(dim=-1, keepdim=True).clamp_min(1).to(x.dtype)
+    n_valid = torch.isfinite(x).sum(dim=-1, keepdim=True).clamp_min(1).to(x.dtype)
     lo = torch.full_like(n_valid, -1.0)  # f(lo) >= 0: the max entry alone has p = 1
     hi = -(1.0 / n_valid) ** (alpha - 1.0)  # f(hi) <= 0: every p_i <= 1/n
     tau = lo.clone()
     tol = 64 * torch.finfo(x.dtype).eps
     for it in range(n_iter):
-        d = (cand - tau).clamp_min(0.0)
-        if isinstance(r, int) and r >= 2:
-            d_r1 = d.pow(r - 1)  # d^(r-1), 0 off the support
-            f = (d_r1 * d).sum(dim=-1, keepdim=True) - 1.0
-            slope = -r * d_r1.sum(dim=-1, keepdim=True)
-        else:
-            pr = d.pow(r)
-            f = pr.sum(dim=-1, keepdim=True) - 1.0
-            slope = -r * torch.where(d > 0, pr / d.clamp_min(tiny), 0.0).sum(dim=-1, keepdim=True)
+        d = (x - tau).clamp_min(0.0)
+        pr = d.pow(r)
+        f = pr.sum(dim=-1, keepdim=True) - 1.0
+        slope = -r * torch.where(d > 0, pr / d.clamp_min(tiny), 0.0).sum(dim=-1, keepdim=True)
         lo = torch.where(f >= 0, tau, lo)
         hi = torch.where(f < 0, tau, hi)
         newton = tau - f / slope.clamp_max(-tiny)
@@ -132,76 +154,54 @@ def _bisect_tau(x: Tensor, alpha: float, n_iter: int) -> Tensor:
     return tau
 
 
-def _power(x: Tensor, tau: Tensor, alpha: float) -> Tensor:
-    """Unnormalized weights [x - tau]_+^(1/(alpha-1))."""
-    d = (x - tau).clamp_min(0.0)
-    r = entmax_exponent(alpha)
-    return d if r == 1 else d.pow(r)
+def entmax_tau(x: Tensor, alpha: float, n_iter: int = 50, bmax: Tensor | None = None,
+               buffers: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """(..., 1) threshold tau of alpha-entmax: sum_i [x_i - tau]_+^r = 1, r = 1/(alpha - 1).
 
-
-def _row_total(p: Tensor) -> Tensor:
-    return p.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
-
-
-def entmax_threshold(z: Tensor, alpha: float, mask: Tensor | None = None,
-                     n_iter: int = 50) -> tuple[Tensor, Tensor]:
-    """alpha-entmax(z) and its (..., 3) row state [max, tau, normalizer]. No autograd.
-
-    Exact sort-based solver for alpha = 2 and 1.5, Newton/bisection otherwise; rows are
-    renormalized at the end (sum-to-one whatever the remaining error in tau). The state
-    rebuilds the weights in one pass with :func:`entmax_from_threshold` (used by backward).
+    Args:
+        x: shifted, scaled scores (alpha - 1)(z - max z): max 0 on a row with a valid entry,
+            -inf on masked entries; the last dim a multiple of BLOCK.
+        alpha: > 1.
+        n_iter: cap on the Newton (or, alpha > 2, bisection) steps.
+        bmax: :func:`block_max` of x when already known.
+        buffers: two tensors shaped like x that the dense iteration may overwrite.
+    Rows without a valid entry get tau = -1 (all their weights are 0 anyway).
     """
-    check_alpha(alpha)
-    x = z.to(work_dtype(z.dtype))
-    if mask is not None:
-        x = x.masked_fill(~mask, float("-inf"))
-    top = row_max(x)
-    x = x - top if alpha == 2.0 else (x - top) * (alpha - 1.0)
-    if alpha == 2.0:
-        tau = _sparsemax_tau(x)
-    elif alpha == 1.5:
-        tau = _entmax15_tau(x)
-    else:
-        tau = _bisect_tau(x, alpha, n_iter)
-    p = _power(x, tau, alpha)
-    total = _row_total(p)
-    return p / total, torch.cat([top, tau, total], dim=-1)
+    r = entmax_exponent(alpha)
+    bmax = block_max(x) if bmax is None else bmax
+    lower = x.new_full((*x.shape[:-1], 1), -1.0)  # tau >= -1: the max entry has p <= 1
+    if r < 1:
+        return _bisect_tau(candidate_blocks(x, bmax, lower), alpha, n_iter)
+    lower = newton_tau(bmax, r, lower, LOWER_BOUND_STEPS)
+    cand = candidate_blocks(x, bmax, lower)
+    return newton_tau(cand, r, lower, n_iter, buffers=buffers if cand is x else None)
 
 
-def entmax_from_threshold(z: Tensor, alpha: float, mask: Tensor | None,
-                          state: Tensor) -> Tensor:
-    """The weights of :func:`entmax_threshold` rebuilt from its row state (one pass)."""
-    top, tau, total = state.split(1, dim=-1)
-    return _power(shifted_scores(z, mask, scale=alpha - 1.0, top=top), tau, alpha) / total
+def pad_to_block(x: Tensor) -> Tensor:
+    """x with -inf columns appended up to a multiple of BLOCK columns."""
+    pad = -x.shape[-1] % BLOCK
+    return torch.nn.functional.pad(x, (0, pad), value=float("-inf")) if pad else x
+
+
+def entmax_power(d: Tensor, r: float, out: Tensor | None = None) -> Tensor:
+    """d^r for d >= 0 (d itself for r = 1), into ``out`` when given."""
+    if r == 1:
+        return d if out is None else out.copy_(d)
+    if r == 2:
+        return torch.mul(d, d, out=out) if out is not None else d * d
+    return torch.pow(d, r, out=out) if out is not None else d.pow(r)
 
 
 def entmax_forward(z: Tensor, alpha: float, mask: Tensor | None = None,
                    n_iter: int = 50) -> Tensor:
-    """alpha-entmax(z) along the last dim; rows sum to one (renormalized). No autograd."""
-    return entmax_threshold(z, alpha, mask, n_iter)[0]
-
-
-def sparsemax_forward(z: Tensor, mask: Tensor | None = None) -> Tensor:
-    """sparsemax(z) = [z - tau]_+ (exact, sort-based). No autograd."""
-    return entmax_forward(z, 2.0, mask)
-
-
-def entmax15_forward(z: Tensor, mask: Tensor | None = None) -> Tensor:
-    """1.5-entmax(z) = [z/2 - tau]_+^2 (exact, sort-based). No autograd."""
-    return entmax_forward(z, 1.5, mask)
-
-
-def entmax_bisect_forward(z: Tensor, alpha: float, mask: Tensor | None = None,
-                          n_iter: int = 50) -> Tensor:
-    """alpha-entmax(z) by safeguarded Newton/bisection on tau, whatever alpha. No autograd.
-
-    Rows are renormalized at the end, so every non-empty row sums to one (up to rounding)
-    whatever the remaining error in tau.
-    """
+    """alpha-entmax(z) along the last dim in the work dtype; rows sum to one (renormalized),
+    rows without a valid entry are 0. No autograd."""
     check_alpha(alpha)
-    x = shifted_scores(z, mask, scale=alpha - 1.0)
-    p = _power(x, _bisect_tau(x, alpha, n_iter), alpha)
-    return p / _row_total(p)
+    width = z.shape[-1]
+    x = pad_to_block(shifted_scores(z, mask, scale=alpha - 1.0))
+    p = entmax_power((x - entmax_tau(x, alpha, n_iter)).clamp_min_(0.0),
+                     entmax_exponent(alpha))[..., :width]
+    return p / p.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
 
 
 def entmax_backward(p: Tensor, dp: Tensor, alpha: float) -> Tensor:
@@ -246,12 +246,12 @@ class _EntmaxFunction(torch.autograd.Function):
 
 def sparsemax(z: Tensor, mask: Tensor | None = None) -> Tensor:
     """Differentiable sparsemax over the last dim (custom backward)."""
-    return _EntmaxFunction.apply(z, 2.0, mask, 1)
+    return _EntmaxFunction.apply(z, 2.0, mask, 50)
 
 
 def entmax15(z: Tensor, mask: Tensor | None = None) -> Tensor:
     """Differentiable 1.5-entmax over the last dim (custom backward)."""
-    return _EntmaxFunction.apply(z, 1.5, mask, 1)
+    return _EntmaxFunction.apply(z, 1.5, mask, 50)
 
 
 def entmax(z: Tensor, alpha: float, mask: Tensor | None = None, n_iter: int = 50) -> Tensor:

@@ -13,25 +13,28 @@ from __future__ import annotations
 from torch import Tensor
 
 from .base import register_kernel
-from .epanechnikov_fixed import power_normalize, power_normalize_backward
+from .epanechnikov_fixed import power_normalize_backward
 from .normalizers import shifted_scores
-from .score_kernel import ScoreKernel, check_positive
+from .score_kernel import PowerKernel, check_positive
 
 
 @register_kernel("relumax")
-class ReLUMaxKernel(ScoreKernel):
-    """Max-anchored ReLU weights [b + s - max s]_+^r, normalized over the strict past."""
+class ReLUMaxKernel(PowerKernel):
+    """Max-anchored ReLU weights [b + s - max s]_+^r, normalized over the strict past: u =
+    [beta (c - max c) + b]_+ in :class:`PowerKernel` terms (anchor: the row max, shift -b)."""
 
     def __init__(self, r: float = 1.0, b: float = 1.0) -> None:
         super().__init__()
         self.r = check_positive(self.name, "r", r)
         self.b = check_positive(self.name, "b", b)
+        self.power = self.r
+
+    def row_shift(self, x: Tensor, bmax: Tensor | None,
+                  buffers: tuple[Tensor, Tensor] | None) -> float:
+        return -self.b
 
     def _u(self, z: Tensor, mask: Tensor) -> Tensor:
         return (self.b + shifted_scores(z, mask)).clamp_min(0.0)  # masked: -inf -> 0
-
-    def score_weights(self, z: Tensor, mask: Tensor) -> Tensor:
-        return power_normalize(self._u(z, mask), self.r)
 
     def score_backward(self, p: Tensor, dp: Tensor, z: Tensor, mask: Tensor) -> Tensor:
         du = power_normalize_backward(p, dp, self._u(z, mask), self.r)

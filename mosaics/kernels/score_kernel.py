@@ -22,9 +22,10 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .base import Kernel, KernelState, append_memory
-from .normalizers import work_dtype
+from .normalizers import BLOCK, block_max, entmax_power, pad_to_block, work_dtype
 
 CHUNK_ELEMENTS = 2**21  # target size of one (B, H, rows, keys) fp32 block, ~8 MB
+MIN_TILE_ROWS = 16  # power kernels: fewest query rows per tile (see _tile_rows)
 
 
 class ScoreKernel(Kernel):
@@ -66,6 +67,11 @@ class ScoreKernel(Kernel):
         dz = self.score_backward(p, dp, cos * beta, mask)
         return dz * beta, (dz * cos).sum(dim=(0, 2, 3))
 
+    def retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
+                  offset: int) -> Tensor:
+        """:func:`retrieve` for this kernel (default: the generic chunked autograd function)."""
+        return _ChunkedRetrieval.apply(queries, keys, values, beta, self, offset)
+
     # --- the Kernel interface --------------------------------------------------------------
     def forward(self, keys: Tensor, values: Tensor, beta: Tensor) -> Tensor:
         B, H, T, _ = keys.shape
@@ -95,7 +101,7 @@ def retrieve(kernel: ScoreKernel, queries: Tensor, keys: Tensor, values: Tensor,
     if beta.dim() != 1 or beta.shape[0] != queries.shape[1]:
         raise ValueError(f"beta must have shape (H,) = ({queries.shape[1]},), "
                          f"got {tuple(beta.shape)}")
-    return _ChunkedRetrieval.apply(queries, keys, values, beta, kernel, int(offset))
+    return kernel.retrieval(queries, keys, values, beta, int(offset))
 
 
 def _chunks(n: int, S: int, offset: int, rows: int):
@@ -175,6 +181,272 @@ class _ChunkedRetrieval(torch.autograd.Function):
                 dk[:, :, :width] += dcos.transpose(-1, -2) @ qc
         return (dq.to(queries.dtype), dk.to(keys.dtype), dv.to(values.dtype),
                 dbeta.to(beta.dtype), None, None)
+
+
+# ----------------------------------------------------------------------------- power kernels
+class PowerKernel(ScoreKernel):
+    """Kernels whose weights are a power of shifted, scaled cosines c_ts = cos(k_t, k_s):
+
+        w_ts = u_ts^r / N_t,   u_ts = [a_h (c_ts - m_t) - shift_t]_+,   N_t = sum_s u_ts^r,
+
+    with a_h = ``score_scale`` * beta_h, m_t the row max of the cosines (``anchor`` None) or
+    the constant ``anchor``, and shift_t from :meth:`row_shift`. ``entmax_gradient``: shift_t
+    follows the scores so that N_t = 1 (alpha-entmax, alpha = 1 + 1/r), whose backward is
+    dz = g dp - g sum(g dp) / sum(g), g = u^(r-1) N^(alpha-2); otherwise shift_t is fixed and
+    du = (r / N) u^(r-1) (dp - <p, dp>), plus, when m_t is the row max, -sum_s du_ts at the
+    arg max. The retrieval runs in tiles of query rows (:class:`_PowerRetrieval`).
+    """
+
+    power: float = 1.0
+    score_scale: float = 1.0
+    anchor: float | None = None
+    entmax_gradient: bool = False
+
+    def row_shift(self, x: Tensor, bmax: Tensor | None,
+                  buffers: tuple[Tensor, Tensor] | None) -> Tensor | float:
+        """shift_t for scaled cosines x = a (c - m) ((..., W), -inf masked, W a multiple of
+        BLOCK); ``bmax``: their :func:`block_max` (anchored kernels); ``buffers``: two tensors
+        shaped like x that may be overwritten."""
+        raise NotImplementedError
+
+    def shift_rows_(self, cos: Tensor, a: Tensor) -> tuple[Tensor | float, Tensor | float,
+                                                           Tensor | None]:
+        """Masked cosines (..., W) (-inf masked, W a multiple of BLOCK) -> u, in place.
+
+        Returns (m, shift, arg max) per row (the arg max only where the gradient needs it).
+        """
+        return self._shift_rows_(cos, a, None)
+
+    def _shift_rows_(self, cos: Tensor, a: Tensor, buffers: tuple[Tensor, Tensor] | None):
+        arg = None
+        if self.anchor is None:
+            bmax = block_max(cos)
+            m = bmax.amax(-1, keepdim=True)
+            m = torch.where(torch.isfinite(m), m, 0.0)
+            if not self.entmax_gradient:
+                arg = _block_argmax(cos, bmax)
+            cos.sub_(m).mul_(a)
+            bmax = bmax.sub_(m).mul_(a)  # the block maxima of the scaled scores, exactly
+        else:
+            m, bmax = self.anchor, None
+            cos.sub_(m).mul_(a)
+        shift = self.row_shift(cos, bmax, buffers)
+        cos.sub_(shift).clamp_min_(0.0)
+        return m, shift, arg
+
+    def weights(self, cos: Tensor, beta: Tensor, mask: Tensor) -> Tensor:
+        """The weights of a block of cosine rows (no autograd: see :meth:`weights_backward`)."""
+        width = cos.shape[-1]
+        cos, beta = cos.detach(), beta.detach()
+        u = pad_to_block(cos.to(work_dtype(cos.dtype)).masked_fill(~mask, float("-inf")))
+        self.shift_rows_(u, self.score_scale * beta.to(u.dtype))
+        p = entmax_power(u, self.power)[..., :width]
+        return p / p.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
+
+    def retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
+                  offset: int) -> Tensor:
+        return _PowerRetrieval.apply(queries, keys, values, beta, self, offset)
+
+
+def _block_argmax(x: Tensor, bmax: Tensor) -> Tensor:
+    """(..., 1) column of the row max of x from its :func:`block_max` (one short gather)."""
+    nb = bmax.shape[-1]
+    block = bmax.argmax(dim=-1, keepdim=True)
+    inside = x.unflatten(-1, (BLOCK, nb)).gather(-1, block.unsqueeze(-2).expand(
+        *block.shape[:-1], BLOCK, 1)).argmax(dim=-2)
+    return inside * nb + block
+
+
+def _head_rows(x: Tensor, batch: int) -> Tensor:
+    """(H,) per-head numbers -> (B H, 1, 1), matching (B, H, ...) tensors seen as (B H, ...)."""
+    return x.repeat(batch).view(-1, 1, 1)
+
+
+class _Tiles:
+    """Query tiles of a strict-past retrieval over flattened (B H, n, .) rows and the score
+    buffers they reuse (allocated once per call: a fresh T x T-sized temporary per tile and
+    pass costs more than the pass itself when the allocator maps it from the OS)."""
+
+    def __init__(self, kernel: ScoreKernel, like: Tensor, n: int, S: int, offset: int,
+                 n_buffers: int) -> None:
+        self.bh, self.n, self.S, self.offset = like.shape[0], n, S, offset
+        self.rows = _tile_rows(kernel, self.bh, n, S)
+        width = _round_up(max(1, min(S, n + offset)), BLOCK)  # the widest tile
+        size = self.bh * min(self.rows, n) * width
+        self.buffers = [like.new_empty(size) for _ in range(n_buffers)]
+        self.masks: dict[tuple[int, int, int], Tensor] = {}
+
+    def __iter__(self):
+        return _chunks(self.n, self.S, self.offset, self.rows)
+
+    def view(self, i: int, rows: int, width: int) -> Tensor:
+        """Buffer i as a contiguous (B H, rows, width rounded up to BLOCK) tensor."""
+        wp = _round_up(width, BLOCK)
+        return self.buffers[i][:self.bh * rows * wp].view(self.bh, rows, wp)
+
+    def scores(self, q: Tensor, k: Tensor, a: int, b: int, width: int) -> Tensor:
+        """Cosines of query rows a..b-1 with keys 0..width-1 in buffer 0, -inf where a row may
+        not look (j > i + offset) and on the padding up to a multiple of BLOCK."""
+        s = self.view(0, b - a, width)
+        torch.bmm(q[:, a:b], k[:, :width].transpose(1, 2), out=s[..., :width])
+        s[..., width:].fill_(float("-inf"))
+        start = min(max(a + self.offset + 1, 0), width)  # first column some row may not see
+        if start < width:
+            s[..., start:width].add_(self._mask(b - a, width - start, a + self.offset - start,
+                                                s))
+        return s
+
+    def _mask(self, rows: int, cols: int, lag: int, like: Tensor) -> Tensor:
+        """(rows, cols) additive mask: -inf where column jj > row ii + lag, else 0."""
+        key = (rows, cols, lag)
+        if key not in self.masks:
+            ii = torch.arange(rows, device=like.device).view(-1, 1)
+            jj = torch.arange(cols, device=like.device).view(1, -1)
+            self.masks[key] = torch.zeros((), dtype=like.dtype, device=like.device).masked_fill(
+                jj > ii + lag, float("-inf")).expand(rows, cols).contiguous()
+        return self.masks[key]
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _tile_rows(kernel: ScoreKernel, batch_heads: int, n: int, S: int) -> int:
+    """Query rows per tile: about ``chunk_elements`` scores, and at most an eighth of the rows
+    (the last key block of a tile is a triangle: more, thinner tiles skip more of it)."""
+    return max(1, min(_rows_per_chunk(kernel, batch_heads, S), max(MIN_TILE_ROWS, n // 8)))
+
+
+class _PowerRetrieval(torch.autograd.Function):
+    """Strict-past retrieval with a :class:`PowerKernel`, tile by tile of query rows.
+
+    Forward per tile: score GEMM into a reused buffer, the causal mask on its last key block
+    only, in-place u = [a (c - m) - shift]_+ (shift solved per row by the kernel), u^r, its
+    row sums N and the output GEMM. Saved: the inputs, (m, shift, N) per row, the output.
+    Backward per tile: the same scores and u, then dV^T += (dY / N)^T u^r, dP = dY V^T,
+    dZ = h (dP - c) in place (h = u^(r-1)), dQ = beta kappa dZ K, dK^T += (beta kappa Q)^T dZ
+    and dbeta from dQ's rows: five GEMMs and a few in-place passes over the tile.
+    """
+
+    @staticmethod
+    def forward(ctx, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
+                kernel: PowerKernel, offset: int) -> Tensor:
+        B, H, n, _ = queries.shape
+        S, hv = keys.shape[2], values.shape[-1]
+        wd = work_dtype(queries.dtype)
+        r = kernel.power
+        with torch.autocast(queries.device.type, enabled=False):
+            q, k, v = (x.to(wd).reshape(B * H, x.shape[2], x.shape[3])
+                       for x in (queries, keys, values))
+            a = _head_rows(kernel.score_scale * beta.detach().to(wd), B)
+            tiles = _Tiles(kernel, q, n, S, offset, 3)
+            out = q.new_zeros(B * H, n, hv)
+            stats = q.new_zeros(3, B * H, n, 1)  # m, shift, N
+            arg = torch.zeros(B * H, n, 1, dtype=torch.long, device=q.device)
+            for lo, hi, width in tiles:
+                u = tiles.scores(q, k, lo, hi, width)
+                m, shift, top = kernel._shift_rows_(
+                    u, a, (tiles.view(1, hi - lo, width), tiles.view(2, hi - lo, width)))
+                p = u if r == 1 else entmax_power(u, r, out=tiles.view(1, hi - lo, width))
+                total = p.sum(dim=-1, keepdim=True)
+                rows = out[:, lo:hi]
+                torch.bmm(p[..., :width], v[:, :width], out=rows)
+                rows.div_(total.clamp_min(torch.finfo(wd).tiny))
+                stats[0, :, lo:hi], stats[1, :, lo:hi], stats[2, :, lo:hi] = m, shift, total
+                if top is not None:
+                    arg[:, lo:hi] = top
+        ctx.kernel, ctx.offset, ctx.rows = kernel, offset, (stats, out, arg)
+        ctx.save_for_backward(queries, keys, values, beta)
+        return out.view(B, H, n, hv).to(values.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor):  # noqa: ANN205
+        queries, keys, values, beta = ctx.saved_tensors
+        kernel, offset = ctx.kernel, ctx.offset
+        stats, y, arg = ctx.rows
+        B, H, n, hs = queries.shape
+        S, hv = keys.shape[2], values.shape[-1]
+        wd = work_dtype(queries.dtype)
+        r, entmax_rule = kernel.power, kernel.entmax_gradient
+        with torch.autocast(queries.device.type, enabled=False):
+            q, k, v = (x.to(wd).reshape(B * H, x.shape[2], x.shape[3])
+                       for x in (queries, keys, values))
+            g = grad_out.to(wd).reshape(B * H, n, hv)
+            bb = _head_rows(beta.to(wd), B)
+            a = kernel.score_scale * bb
+            m, shift, total = stats
+            kappa, inv = _row_factors(total, r, entmax_rule)
+            g_n = g * inv
+            q_k = q * (kappa * bb)
+            c_fixed = None if entmax_rule else (g * y).sum(dim=-1, keepdim=True)
+            dq = torch.zeros_like(q)
+            dk_t = q.new_zeros(B * H, hs, S)
+            dv_t = q.new_zeros(B * H, hv, S)
+            dbeta = q.new_zeros(B * H, n, 1)
+            row_sum = q.new_zeros(B * H, n, 1)
+            tiles = _Tiles(kernel, q, n, S, offset, 3)
+            for lo, hi, width in tiles:
+                u = tiles.scores(q, k, lo, hi, width)
+                u.sub_(m[:, lo:hi]).mul_(a).sub_(shift[:, lo:hi]).clamp_min_(0.0)
+                spare = tiles.view(1, hi - lo, width)
+                p = u if r == 1 else entmax_power(u, r, out=spare)
+                dv_t[..., :width].baddbmm_(g_n[:, lo:hi].transpose(1, 2), p[..., :width])
+                dp = tiles.view(2, hi - lo, width)
+                torch.bmm(g[:, lo:hi], v[:, :width].transpose(1, 2), out=dp[..., :width])
+                dp[..., width:].zero_()
+                h, spare = _power_derivative_(u, r, spare)
+                if entmax_rule:  # c = sum(h dp) / sum(h)
+                    c = torch.mul(h, dp, out=spare).sum(dim=-1, keepdim=True).div_(
+                        h.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(wd).tiny))
+                else:  # c = <p, dp> = dY . Y
+                    c = c_fixed[:, lo:hi]
+                dz = dp.sub_(c).mul_(h)
+                dq_raw = torch.bmm(dz[..., :width], k[:, :width])
+                inner = (dq_raw * q[:, lo:hi]).sum(dim=-1, keepdim=True)
+                if not entmax_rule:  # d/dbeta of u: c - m; sum_s dz_ts = 0 for entmax
+                    row_sum[:, lo:hi] = dz.sum(dim=-1, keepdim=True)
+                    inner -= m[:, lo:hi] * row_sum[:, lo:hi]
+                dbeta[:, lo:hi] = kappa[:, lo:hi] * inner
+                dq[:, lo:hi] = dq_raw * (kappa[:, lo:hi] * bb)
+                dk_t[..., :width].baddbmm_(q_k[:, lo:hi].transpose(1, 2), dz[..., :width])
+            dk = dk_t.transpose(1, 2).contiguous()
+            if kernel.anchor is None and not entmax_rule and S > 0:  # m_t = max_s c_ts moves
+                _add_max_gradient(dq, dk, q, k, arg, -(kappa * bb) * row_sum)
+        return (dq.view(queries.shape).to(queries.dtype), dk.view(keys.shape).to(keys.dtype),
+                dv_t.transpose(1, 2).reshape(values.shape).to(values.dtype),
+                dbeta.view(B, H, n).sum(dim=(0, 2)).to(beta.dtype), None, None)
+
+
+def _row_factors(total: Tensor, r: float, entmax_rule: bool) -> tuple[Tensor, Tensor]:
+    """(kappa, 1 / N) per row, 0 on rows without weight (N = 0): kappa = N^(alpha - 2) for
+    entmax (g = u^(r-1) kappa, alpha - 2 = 1/r - 1), r / N otherwise."""
+    valid = total > 0
+    safe = torch.where(valid, total, 1.0)
+    inv = torch.where(valid, 1.0 / safe, 0.0)
+    kappa = safe.pow(1.0 / r - 1.0) if entmax_rule else r * inv
+    return torch.where(valid, kappa, 0.0), inv
+
+
+def _power_derivative_(u: Tensor, r: float, spare: Tensor) -> tuple[Tensor, Tensor]:
+    """h = u^(r-1) on u > 0 (0 elsewhere) and the buffer left free, one of (u, spare)."""
+    if r == 1:
+        return torch.sign(u, out=u), spare
+    if r == 2:
+        return u, spare
+    torch.pow(u, r - 1, out=spare)
+    if r < 1:  # 0^(r-1) = inf off the support
+        spare.nan_to_num_(nan=0.0, posinf=0.0)
+    return spare, u
+
+
+def _add_max_gradient(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, arg: Tensor,
+                      coef: Tensor) -> None:
+    """dc_{t, j_t} += coef_t at the row arg max j_t: dq_t += coef_t k_{j_t},
+    dk_{j_t} += coef_t q_t (in place)."""
+    idx = arg.expand(-1, -1, q.shape[-1])
+    dq.add_(coef * k.gather(1, idx))
+    dk.scatter_add_(1, idx, coef * q)
 
 
 def check_positive_int(kernel: str, name: str, value: object) -> int:
