@@ -6,16 +6,25 @@
 Option (``kernel_kwargs``): ``k`` (default 16). Exactly min(k, t) entries are selected (ties
 broken by ``topk``). The uniform weights are piecewise constant in the scores, so keys and
 bandwidth get no gradient through them (values do).
+
+Training retrieval (:class:`_TopKRetrieval`): one score GEMM per tile of query rows, then the
+k best entries of each row, found exactly without a top-k over the whole row: the k-th largest
+of the row's 16 strided block maxima is a lower bound of its k-th largest entry, so the top k
+lie in the blocks whose max reaches that bound (about k of them), and a top-k over those
+blocks alone gives them. Everything after that works on the k selected entries per row
+(gathers of k key / value rows and scatter-adds), and the backward needs no score matrix.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .base import register_kernel
-from .normalizers import entmax_backward, shifted_scores
-from .score_kernel import ScoreKernel, check_positive_int
+from .normalizers import BLOCK, block_max, entmax_backward, shifted_scores, work_dtype
+from .score_kernel import ScoreKernel, _head_rows, _Tiles, check_positive_int
 
 
 def top_k_support(x: Tensor, k: int) -> Tensor:
@@ -24,10 +33,37 @@ def top_k_support(x: Tensor, k: int) -> Tensor:
     return torch.zeros_like(x, dtype=torch.bool).scatter(-1, idx, torch.isfinite(vals))
 
 
+def top_k_blocks(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """(values, columns) of the k largest entries of each row of x (..., W), W a multiple of
+    BLOCK and k <= W, searched only in the strided blocks whose max reaches the k-th largest
+    block max (exact: each of the k best blocks holds an entry at least that large)."""
+    nb = x.shape[-1] // BLOCK
+    if 4 * k > nb:
+        return x.topk(k, dim=-1)
+    bmax = block_max(x)
+    kth = bmax.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    c = int((bmax >= kth).sum(dim=-1).max())
+    if 2 * c > nb:
+        return x.topk(k, dim=-1)
+    blocks = bmax.topk(c, dim=-1, sorted=False).indices  # (..., c)
+    cand = x.unflatten(-1, (BLOCK, nb)).gather(
+        -1, blocks.unsqueeze(-2).expand(*blocks.shape[:-1], BLOCK, c)).flatten(-2)
+    vals, pos = cand.topk(k, dim=-1)
+    return vals, (pos // c) * nb + blocks.gather(-1, pos % c)
+
+
 class _KNNKernel(ScoreKernel):
     def __init__(self, k: int = 16) -> None:
         super().__init__()
         self.k = check_positive_int(self.name, "k", k)
+
+    def top_weights(self, cos: Tensor, beta: Tensor) -> Tensor:
+        """(..., k) weights of the selected entries from their cosines (-inf: none)."""
+        raise NotImplementedError
+
+    def retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
+                  offset: int) -> Tensor:
+        return _TopKRetrieval.apply(queries, keys, values, beta, self, offset)
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, k={self.k}"
@@ -46,6 +82,10 @@ class GaussianKNNKernel(_KNNKernel):
     def score_backward(self, p: Tensor, dp: Tensor, z: Tensor, mask: Tensor) -> Tensor:
         return entmax_backward(p, dp, 1.0)  # softmax on a fixed support: p (dp - <p, dp>)
 
+    def top_weights(self, cos: Tensor, beta: Tensor) -> Tensor:
+        e = ((cos - cos.amax(dim=-1, keepdim=True).nan_to_num(0.0, neginf=0.0)) * beta).exp()
+        return e / e.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(e.dtype).tiny)
+
 
 @register_kernel("uniform_knn")
 class UniformKNNKernel(_KNNKernel):
@@ -57,3 +97,93 @@ class UniformKNNKernel(_KNNKernel):
 
     def score_backward(self, p: Tensor, dp: Tensor, z: Tensor, mask: Tensor) -> Tensor:
         return torch.zeros_like(p)
+
+    def top_weights(self, cos: Tensor, beta: Tensor) -> Tensor:
+        found = torch.isfinite(cos).to(cos.dtype)
+        return found / found.sum(dim=-1, keepdim=True).clamp_min(1.0)
+
+
+def _flat_index(idx: Tensor, S: int) -> Tensor:
+    """Columns (BH, n, k) of per-head key rows -> rows of the (BH S, D) flattened keys."""
+    return idx + torch.arange(idx.shape[0], device=idx.device).view(-1, 1, 1) * S
+
+
+def _weighted_rows(x: Tensor, rows: Tensor, w: Tensor) -> Tensor:
+    """sum_j w[i, j] x[rows[i, j]] for (N, k) rows and weights: (N, D), one fused bag-sum."""
+    return F.embedding_bag(rows, x, per_sample_weights=w, mode="sum")
+
+
+class _TopKRetrieval(torch.autograd.Function):
+    """Strict-past retrieval with a kNN kernel: per tile of query rows the score GEMM and the
+    exact top k (:func:`top_k_blocks`); saved: the k columns and cosines per row. The weights,
+    the output and the whole backward work on those k entries: bag-sums of k key or value rows
+    (``embedding_bag``), one gather of k value rows per query and index-adds into dK and dV,
+    in row chunks of about ``chunk_elements`` gathered numbers."""
+
+    @staticmethod
+    def forward(ctx, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
+                kernel: _KNNKernel, offset: int) -> Tensor:
+        B, H, n, _ = queries.shape
+        S, hv = keys.shape[2], values.shape[-1]
+        wd = work_dtype(queries.dtype)
+        with torch.autocast(queries.device.type, enabled=False):
+            q, k, v = (x.to(wd).reshape(B * H, x.shape[2], x.shape[3])
+                       for x in (queries, keys, values))
+            top = min(kernel.k, S)
+            cos = q.new_full((B * H, n, top), float("-inf"))
+            idx = torch.zeros(B * H, n, top, dtype=torch.long, device=q.device)
+            tiles = _Tiles(kernel, q, n, S, offset, 1)
+            for lo, hi, width in tiles:
+                s = tiles.scores(q, k, lo, hi, width)
+                kk = min(top, s.shape[-1])
+                cos[:, lo:hi, :kk], idx[:, lo:hi, :kk] = top_k_blocks(s, kk)
+            rows = _flat_index(idx.clamp_(max=max(S - 1, 0)), S).view(-1, top)  # unused: p = 0
+            p = kernel.top_weights(cos, _head_rows(beta.detach().to(wd), B))
+            out = (_weighted_rows(v.reshape(-1, hv), rows, p.view(-1, top)) if S > 0
+                   else q.new_zeros(B * H * n, hv))
+        ctx.kernel, ctx.rows = kernel, (cos, rows, p)
+        ctx.save_for_backward(queries, keys, values, beta)
+        return out.view(B, H, n, hv).to(values.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor):  # noqa: ANN205
+        queries, keys, values, beta = ctx.saved_tensors
+        kernel = ctx.kernel
+        cos, rows, p = ctx.rows
+        B, H, n, hs = queries.shape
+        S, hv = keys.shape[2], values.shape[-1]
+        wd = work_dtype(queries.dtype)
+        with torch.autocast(queries.device.type, enabled=False):
+            q, k, v = (x.to(wd).reshape(B * H * x.shape[2], x.shape[3])
+                       for x in (queries, keys, values))
+            g = grad_out.to(wd).reshape(B * H * n, hv)
+            top = rows.shape[-1]
+            p, cos = p.view(-1, top), cos.view(-1, top)
+            dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+            dbeta = q.new_zeros(B * H * n)
+            bb = beta.to(wd).repeat(B).repeat_interleave(n).view(-1, 1)  # per flat row
+            scores_move = isinstance(kernel, GaussianKNNKernel)
+            chunk = max(1, kernel.chunk_elements // max(1, top * max(hs, hv)))
+            buf = q.new_empty(min(chunk, B * H * n) * top * max(hs, hv))
+            for lo in range(0, B * H * n if S > 0 else 0, chunk):
+                hi = min(B * H * n, lo + chunk)
+                ix, pc, gc = rows[lo:hi], p[lo:hi], g[lo:hi]
+                flat = ix.reshape(-1)
+                outer = buf[:flat.numel() * hv].view(hi - lo, top, hv)
+                dv.index_add_(0, flat, torch.mul(pc.unsqueeze(-1), gc.unsqueeze(1), out=outer)
+                              .view(-1, hv))
+                if not scores_move:
+                    continue
+                picked = torch.index_select(v, 0, flat, out=outer.view(-1, hv))
+                dp = torch.bmm(picked.view(hi - lo, top, hv), gc.unsqueeze(-1)).squeeze(-1)
+                dz = entmax_backward(pc, dp, 1.0)  # softmax on the fixed support
+                dbeta[lo:hi] = (dz * torch.where(pc > 0, cos[lo:hi], 0.0)).sum(-1)
+                dz.mul_(bb[lo:hi])  # d cos = beta dz
+                dq[lo:hi] = _weighted_rows(k, ix, dz)
+                outer = buf[:flat.numel() * hs].view(hi - lo, top, hs)
+                dk.index_add_(0, flat, torch.mul(dz.unsqueeze(-1), q[lo:hi].unsqueeze(1),
+                                                 out=outer).view(-1, hs))
+        return (dq.view(queries.shape).to(queries.dtype), dk.view(keys.shape).to(keys.dtype),
+                dv.view(values.shape).to(values.dtype),
+                dbeta.view(B, H, n).sum(dim=(0, 2)).to(beta.dtype), None, None)
