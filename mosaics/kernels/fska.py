@@ -21,8 +21,11 @@ model.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from ..leaky import chunk_grid, merge_chunks, split_chunks
@@ -68,6 +71,207 @@ def causal_linear_attention(q_feat: Tensor, k_feat: Tensor, values: Tensor, chun
         num = num + q @ prev_s
         den = den + (q @ prev_z.unsqueeze(-1)).squeeze(-1)
     return merge_chunks(num / (den.unsqueeze(-1) + eps), T)
+
+
+SEGMENT_ELEMENTS = 2**18  # features per segment of the elu1 retrieval (B H rows x M'), ~1 MB
+
+
+class _Workspace:
+    """Named flat buffers reused across the segments of one call (``take`` returns a view):
+    fresh segment-sized temporaries would each be mapped from the OS when large."""
+
+    def __init__(self, like: Tensor) -> None:
+        self.like, self.buffers = like, {}
+
+    def take(self, name: str, *shape: int) -> Tensor:
+        size = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < size:
+            buf = self.buffers[name] = self.like.new_empty(size)
+        return buf[:size].view(shape)
+
+
+class _CosineFeatureAttention(torch.autograd.Function):
+    """Strict-past linear attention with the paper's positive features g = ELU(phi) + 1,
+    phi(x) = (4M)^-1/2 [cos a1 + cos a2 ; sin a1 + sin a2], a_i = W_i x, in segments.
+
+    With augmented values v' = [v, 1], o_t = sum_{s<t} (g_t . g_s) v'_s and
+    y_t = o_t[:D] / (o_t[D] + eps). Forward, per segment of L positions (chunks of C): the
+    features, the strictly-lower (C, C) blocks A = g g^T, per-chunk states g^T v' and their
+    prefix P (starting from the carried state S), o = A v' + g P. Saved: the inputs and S at
+    each segment start (M' x (D + 1) numbers per segment); no T x M' tensor is kept.
+    Backward, segments in reverse, carrying R = sum over later positions of g_t do_t^T:
+    do = [dy / den, -(dy . y) / den], dA = do v'^T (strictly lower), dg = (dA + dA^T) g +
+    do P^T + v' R_c^T, dv' = A^T do + g R_c, then the feature map's backward,
+    dphi = dg min(g, 1) (the derivative of ELU + 1), da_i = (4M)^-1/2 (cos a_i dphi_sin -
+    sin a_i dphi_cos), dx = da W, dW = da^T x.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, values: Tensor, w1: Tensor, w2: Tensor, chunk: int,
+                eps: float) -> Tensor:
+        B, H, T, hs = x.shape
+        seg = _Segments(x, values, w1, w2, chunk)
+        y = x.new_empty(B * H, T, values.shape[-1])
+        state = x.new_zeros(B * H, seg.F, seg.D + 1)
+        starts = []
+        for lo, hi in seg:
+            starts.append(state)
+            g, _, _ = seg.features(lo, hi)
+            o, _, _, state = seg.outputs(g, seg.values(lo, hi), state)
+            seg.divide(o, eps, out=y[:, lo:hi])
+        ctx.chunk, ctx.eps = chunk, eps
+        ctx.save_for_backward(x, values, w1, w2, torch.stack(starts))
+        return y.view(B, H, T, -1)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: Tensor):  # noqa: ANN205
+        x, values, w1, w2, starts = ctx.saved_tensors
+        B, H, T, hs = x.shape
+        seg = _Segments(x, values, w1, w2, ctx.chunk)
+        dy = dy.reshape(B * H, T, seg.D)
+        dx, dv = torch.empty_like(seg.x), torch.empty_like(seg.v)
+        dw = torch.zeros_like(seg.w)  # (B H, 2M, hs)
+        carried = torch.zeros_like(starts[0])  # R: sum over later positions of g_t do_t^T
+        for i, (lo, hi) in reversed(list(enumerate(seg))):
+            g, cos_a, sin_a = seg.features(lo, hi)
+            vs = seg.values(lo, hi)
+            o, A, prefix, _ = seg.outputs(g, vs, starts[i])
+            do = seg.output_grad(o, dy[:, lo:hi], ctx.eps)
+            dg, dvs, carried = seg.grads(g, vs, do, A, prefix, carried)
+            dv[:, lo:hi] = dvs[:, :hi - lo, :seg.D]
+            da = seg.angle_grad(dg, g, cos_a, sin_a)
+            torch.bmm(da[:, :hi - lo], seg.w, out=dx[:, lo:hi])
+            dw.baddbmm_(da.transpose(1, 2), seg.rows(lo, hi))
+        M = w1.shape[1]
+        dw = dw.view(B, H, 2 * M, hs).sum(0)
+        return (dx.view(x.shape), dv.view(values.shape), dw[:, :M], dw[:, M:], None, None)
+
+
+class _Segments:
+    """The segments of one elu1 retrieval and their in-place arithmetic (see
+    :class:`_CosineFeatureAttention`); rows are (B H, T, .) and every segment holds a whole
+    number of chunks (the last one padded with zero rows, which only feed padded queries)."""
+
+    def __init__(self, x: Tensor, values: Tensor, w1: Tensor, w2: Tensor, chunk: int) -> None:
+        B, H, T, hs = x.shape
+        self.x, self.v = x.reshape(B * H, T, hs), values.reshape(B * H, T, values.shape[-1])
+        self.w = torch.cat([w1, w2], dim=1).repeat(B, 1, 1)  # (B H, 2M, hs)
+        self.T, self.M, self.F, self.D = T, w1.shape[1], 2 * w1.shape[1], values.shape[-1]
+        self.C = C = max(1, min(chunk, T))
+        per = max(1, SEGMENT_ELEMENTS // (B * H * self.F * C))
+        self.L = C * min(per, -(-T // C))
+        self.mask = torch.ones(C, C, dtype=x.dtype, device=x.device).tril_(-1)
+        self.ws = _Workspace(x)
+
+    def __iter__(self):
+        return iter([(lo, min(lo + self.L, self.T)) for lo in range(0, self.T, self.L)])
+
+    def _padded(self, name: str, src: Tensor, lo: int, hi: int, width: int) -> Tensor:
+        """Rows lo..hi of src in a buffer of a whole number of chunks (zero rows after)."""
+        n = -(-(hi - lo) // self.C) * self.C
+        out = self.ws.take(name, src.shape[0], n, width)
+        out[:, :hi - lo, :src.shape[-1]] = src[:, lo:hi]
+        out[:, hi - lo:] = 0.0
+        return out
+
+    def rows(self, lo: int, hi: int) -> Tensor:
+        return self._padded("x", self.x, lo, hi, self.x.shape[-1])
+
+    def values(self, lo: int, hi: int) -> Tensor:
+        """[v, 1] for rows lo..hi: one product gives the numerator and the normaliser."""
+        v = self._padded("v", self.v, lo, hi, self.D + 1)
+        v[:, :hi - lo, self.D] = 1.0
+        return v
+
+    def features(self, lo: int, hi: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(g, cos a, sin a) of rows lo..hi, each (B H, n C, 2M)."""
+        xs, M = self.rows(lo, hi), self.M
+        shape = (xs.shape[0], xs.shape[1], self.F)
+        a = torch.bmm(xs, self.w.transpose(1, 2), out=self.ws.take("sin", *shape))
+        cos_a = torch.cos(a, out=self.ws.take("cos", *shape))
+        sin_a = torch.sin(a, out=a)
+        g = self.ws.take("g", *shape)
+        torch.add(cos_a[..., :M], cos_a[..., M:], out=g[..., :M])
+        torch.add(sin_a[..., :M], sin_a[..., M:], out=g[..., M:])
+        g.div_(math.sqrt(4 * M))
+        return torch.nn.functional.elu_(g).add_(1.0), cos_a, sin_a
+
+    def _chunks(self, t: Tensor) -> Tensor:
+        return t.view(-1, self.C, t.shape[-1])
+
+    def _prefix(self, name: str, per_chunk: Tensor, first: Tensor, reverse: bool) -> Tensor:
+        """Exclusive running sums over the chunks of a segment, starting from ``first``."""
+        per_chunk = per_chunk.view(first.shape[0], -1, *first.shape[1:])
+        out = self.ws.take(name, *per_chunk.shape)
+        order = range(per_chunk.shape[1] - 1, -1, -1) if reverse else range(per_chunk.shape[1])
+        prev = None
+        for c in order:
+            if prev is None:
+                out[:, c] = first
+            else:
+                torch.add(out[:, prev], per_chunk[:, prev], out=out[:, c])
+            prev = c
+        return out
+
+    def outputs(self, g: Tensor, v: Tensor, state: Tensor):
+        """(o, A, prefix P, next state) of one segment: o = A v' + g P."""
+        gc, vc = self._chunks(g), self._chunks(v)
+        A = torch.bmm(gc, gc.transpose(1, 2), out=self.ws.take("A", gc.shape[0], self.C, self.C))
+        A.mul_(self.mask)
+        per_chunk = torch.bmm(gc.transpose(1, 2), vc,
+                              out=self.ws.take("state", gc.shape[0], self.F, self.D + 1))
+        prefix = self._prefix("prefix", per_chunk, state, reverse=False)
+        o = torch.bmm(A, vc, out=self.ws.take("o", *vc.shape))
+        o.baddbmm_(gc, prefix.view(-1, self.F, self.D + 1))
+        last = per_chunk.view(prefix.shape)[:, -1]
+        return o.view(v.shape), A, prefix, prefix[:, -1] + last
+
+    def divide(self, o: Tensor, eps: float, out: Tensor) -> None:
+        """y = o[:D] / (o[D] + eps) for the first rows of the segment (the rest is padding)."""
+        n = out.shape[1]
+        torch.div(o[:, :n, :self.D], o[:, :n, self.D:] + eps, out=out)
+
+    def output_grad(self, o: Tensor, dy: Tensor, eps: float) -> Tensor:
+        """do = [dy / den, -(dy . y) / den] with den = o[D] + eps (0 on padding rows)."""
+        n, D = dy.shape[1], self.D
+        do = self.ws.take("do", *o.shape)
+        do[:, n:] = 0.0
+        den = o[:, :n, D:] + eps
+        torch.div(dy, den, out=do[:, :n, :D])
+        prod = torch.mul(do[:, :n, :D], o[:, :n, :D], out=self.ws.take("prod", o.shape[0], n, D))
+        torch.div(prod.sum(-1, keepdim=True), den, out=do[:, :n, D:]).neg_()
+        return do
+
+    def grads(self, g: Tensor, v: Tensor, do: Tensor, A: Tensor, prefix: Tensor,
+              carried: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(dg, dv', carried R for the segment before) of one segment's o = A v' + g P."""
+        gc, vc, doc = self._chunks(g), self._chunks(v), self._chunks(do)
+        dA = torch.bmm(doc, vc.transpose(1, 2), out=self.ws.take("dA", *A.shape))
+        dA.mul_(self.mask)
+        per_chunk = torch.bmm(gc.transpose(1, 2), doc,
+                              out=self.ws.take("state", gc.shape[0], self.F, self.D + 1))
+        later = self._prefix("later", per_chunk, carried, reverse=True)  # R_c
+        dg = torch.bmm(dA, gc, out=self.ws.take("dg", *gc.shape))
+        dg.baddbmm_(dA.transpose(1, 2), gc)
+        dg.baddbmm_(doc, prefix.view(-1, self.F, self.D + 1).transpose(1, 2))
+        dg.baddbmm_(vc, later.view(-1, self.F, self.D + 1).transpose(1, 2))
+        dv = torch.bmm(A.transpose(1, 2), doc, out=self.ws.take("dv", *vc.shape))
+        dv.baddbmm_(gc, later.view(-1, self.F, self.D + 1))
+        first = per_chunk.view(later.shape)[:, 0]
+        return dg.view(g.shape), dv.view(v.shape), later[:, 0] + first
+
+    def angle_grad(self, dg: Tensor, g: Tensor, cos_a: Tensor, sin_a: Tensor) -> Tensor:
+        """d loss / d a from d loss / d g (ELU' = min(g, 1)), into the "cos" buffer."""
+        M = self.M
+        dphi = dg.mul_(g.clamp_(max=1.0)).div_(math.sqrt(4 * M))
+        d_cos, d_sin = dphi[..., :M], dphi[..., M:]
+        da = self.ws.take("da", *cos_a.shape)
+        for half in (slice(0, M), slice(M, 2 * M)):
+            torch.mul(cos_a[..., half], d_sin, out=da[..., half])
+            da[..., half].addcmul_(sin_a[..., half], d_cos, value=-1.0)
+        return da
 
 
 NO_MEMORY = -1e30  # log-scale of an empty memory (finite, so differences stay defined)
@@ -290,6 +494,10 @@ class FSKAKernel(Kernel):
         with torch.autocast(device_type=keys.device.type, enabled=False):
             w1, w2 = self.frequencies(beta)
             x = keys.float()
+            if self.positive == "elu1":
+                y = _CosineFeatureAttention.apply(x, values.float(), w1, w2, self.chunk_size,
+                                                  self.eps)
+                return y.to(values.dtype)
             if torch.is_grad_enabled():  # recompute the features in backward: O(T M) less memory
                 f, log_g = checkpoint(self.features, x, w1, w2, use_reentrant=False)
             else:
