@@ -1,9 +1,13 @@
 """Incremental decoding state of a Memory Mosaics model.
 
-Per layer: the running un-normalised leaky key sums (contextual and persistent), the last
-token's unit key and raw value (its value v_{t-1} is finished when x_t arrives) and the
-kernel's memory. Every tensor has the batch as dimension 0, so beam search reorders it with
-one ``index_select``.
+Per layer: the running un-normalised leaky key sums (contextual and persistent, updated in
+place), the last token's unit key and raw value (its value v_{t-1} is finished when x_t
+arrives), the kernel's memory (quadratic kernels: keys and values in preallocated buffers that
+double when full, so a step writes one entry instead of copying the memory; FSKA: fixed-size
+prefix sums) and the functions of the parameters a step reuses (computed once, at the prompt).
+Every tensor of a layer's state has the batch as dimension 0, so beam search reorders it with
+one ``index_select``; the reused parameter functions have no batch dimension and sit in
+``NamedTuple``s, which reordering leaves alone.
 """
 
 from __future__ import annotations

@@ -125,6 +125,29 @@ def leaky_average(x: Tensor, a: Tensor, initial: Tensor | None = None, chunk: in
     return out
 
 
+def continue_leaky_sum(total: Tensor, x: Tensor, a: Tensor, decay: Tensor,
+                       chunk: int = 16) -> tuple[Tensor, Tensor]:
+    """Leaky sums of n new inputs that continue a running sum (decoding).
+
+    Args:
+        total: (B, H, D) sum before the new inputs (kbar_{-1}).
+        x: (B, H, n, D) new inputs.
+        a: (H,) log-decay; decay: (H, 1) lambda = exp(-a).
+    Returns:
+        (B, H, n, D) sums and the new (B, H, D) running sum (the last of them). With n = 1
+        this is one fused op, kbar = x + lambda kbar, written into ``total`` itself unless
+        a gradient is needed.
+    """
+    if x.shape[2] != 1:
+        out = leaky_average(x, a, total, chunk)
+        return out, out[:, :, -1].clone()
+    if torch.is_grad_enabled() and (total.requires_grad or x.requires_grad or decay.requires_grad):
+        new = torch.addcmul(x[:, :, 0], total, decay)
+    else:
+        new = torch.addcmul(x[:, :, 0], total, decay, out=total)
+    return new.unsqueeze(2), new
+
+
 def leaky_average_reference(x: Tensor, a: Tensor, initial: Tensor | None = None) -> Tensor:
     """Explicit recursion, one step at a time (slow; for tests)."""
     lam = torch.exp(-a).view(1, -1, 1)

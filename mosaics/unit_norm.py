@@ -16,13 +16,21 @@ import torch
 from torch import Tensor
 
 
+def _unit_forward(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(u, 1 / max(|x|, eps), |x|), the norms (..., 1) accumulated in at least fp32."""
+    full = x.dtype in (torch.float32, torch.float64)
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True,
+                                    dtype=x.dtype if full else torch.float32)
+    inv = norm.clamp_min(eps).reciprocal()
+    if not full:
+        inv = inv.to(x.dtype)
+    return x * inv, inv, norm
+
+
 class _UnitVectors(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, eps: float) -> Tensor:
-        acc = torch.promote_types(x.dtype, torch.float32)  # half inputs accumulate in fp32
-        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=acc)
-        inv = norm.clamp_min(eps).reciprocal().to(x.dtype)  # (..., 1)
-        u = x * inv
+        u, inv, norm = _unit_forward(x, eps)
         ctx.save_for_backward(u, inv, norm > eps)
         return u
 
@@ -34,5 +42,8 @@ class _UnitVectors(torch.autograd.Function):
 
 
 def unit_vectors(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """``x / max(|x|_2, eps)`` along the last dim, any shape."""
-    return _UnitVectors.apply(x, eps)
+    """``x / max(|x|_2, eps)`` along the last dim, any shape (without the autograd function
+    when no gradient is needed: the same numbers, less per-call overhead when decoding)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _UnitVectors.apply(x, eps)
+    return _unit_forward(x, eps)[0]

@@ -106,10 +106,87 @@ def strict_causal_mask(t: int, device: torch.device) -> Tensor:
     return torch.ones(t, t, dtype=torch.bool, device=device).tril(-1)
 
 
+MIN_MEMORY_BUFFER = 64  # entries preallocated by the first append
+
+
 def append_memory(state: KernelState, keys: Tensor, values: Tensor) -> KernelState:
-    """Quadratic kernels' state update: concatenate the new entries along time."""
-    return {"keys": torch.cat([state["keys"], keys], dim=2),
-            "values": torch.cat([state["values"], values], dim=2)}
+    """Quadratic kernels' state update: the stored entries followed by the new ones, along
+    time (see :func:`append_along_time`: no copy of the whole memory per decoding step)."""
+    return {"keys": append_along_time(state["keys"], keys),
+            "values": append_along_time(state["values"], values)}
+
+
+def append_along_time(stored: Tensor, new: Tensor) -> Tensor:
+    """``torch.cat([stored, new], dim=2)`` for (B, H, n, D) and (B, H, m, D) tensors, written
+    in place when it can be.
+
+    The result is a view of the first n + m entries of a preallocated (B, H, capacity, D)
+    buffer. When ``stored`` is such a view and the buffer has room, the m new entries are
+    copied behind it (O(m)); otherwise a buffer of twice the needed length is allocated, so
+    appending one entry at a time costs amortised O(1) entries per step. The view returned
+    earlier keeps its length, but the entries behind it now belong to the new state: to
+    continue one state in two ways, ``copy.deepcopy`` it first. With gradients flowing into
+    the memory it falls back to ``torch.cat``.
+    """
+    n, m = stored.shape[2], new.shape[2]
+    if torch.is_grad_enabled() and (stored.requires_grad or new.requires_grad):
+        return torch.cat([stored, new], dim=2)
+    buffer = stored._base
+    if not _has_room(buffer, stored, n + m):
+        B, H, _, D = stored.shape
+        buffer = stored.new_empty(B, H, max(2 * (n + m), MIN_MEMORY_BUFFER), D)
+        buffer.memory_buffer = True  # marks buffers this function owns (never a caller's)
+        buffer.narrow(2, 0, n).copy_(stored)
+    buffer.narrow(2, n, m).copy_(new)
+    return buffer.narrow(2, 0, n + m)
+
+
+def _has_room(buffer: Tensor | None, stored: Tensor, length: int) -> bool:
+    """Whether ``stored`` is the start of a buffer of :func:`append_along_time` with at least
+    ``length`` entries."""
+    return (buffer is not None and getattr(buffer, "memory_buffer", False)
+            and buffer.shape[2] >= length and stored.data_ptr() == buffer.data_ptr()
+            and stored.stride() == buffer.stride() and stored.shape[3] == buffer.shape[3]
+            and stored.shape[:2] == buffer.shape[:2])
+
+
+def work_precision(x: Tensor) -> Tensor:
+    """x in fp32, or x itself when it is fp32 or fp64 (no op dispatched: decoding steps are
+    short enough for that to show)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def batched_rows(x: Tensor) -> Tensor:
+    """(B, H, n, D) -> (B H, n, D) for ``torch.bmm`` (a view for the memory buffers)."""
+    B, H, n, D = x.shape
+    return x.reshape(B * H, n, D)
+
+
+def decode_row(kernel: Kernel, query: Tensor, keys: Tensor, values: Tensor,
+               beta: Tensor) -> Tensor:
+    """One decoding query that sees the whole memory, without gradients: the weights
+    ``kernel.row_weights`` of the row cos(q, k_j), j < S, times V. For score kernels this
+    skips the chunking and autograd machinery that whole sequences need; a sparse kernel that
+    names its few candidate entries has only their values read.
+
+    Args:
+        query: (B, H, 1, hs); keys, values: (B, H, S, hs); beta: (H,).
+    Returns:
+        (B, H, 1, hs) in the values' dtype; 0 for an empty memory. Computed in fp32 (fp64
+        stays fp64) whatever the autocast state.
+    """
+    B, H, _, hv = values.shape
+    if keys.shape[2] == 0:
+        return values.new_zeros(B, H, 1, hv)
+    q = work_precision(query)
+    with torch.autocast(query.device.type, enabled=False):
+        cos = torch.bmm(batched_rows(q), batched_rows(work_precision(keys)).transpose(1, 2))
+        weights, index = kernel.row_weights(cos.view(B, H, 1, -1),
+                                            work_precision(beta).view(1, H, 1, 1))
+        if index is not None:  # (B, H, 1, c): gather the c values that can have weight
+            values = values.gather(2, index.transpose(-1, -2).expand(B, H, -1, hv))
+        y = torch.bmm(batched_rows(weights), batched_rows(work_precision(values)))
+    return y.view(B, H, 1, hv).to(values.dtype)
 
 
 def register_kernel(name: str) -> Callable[[type[Kernel]], type[Kernel]]:

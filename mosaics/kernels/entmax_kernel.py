@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from .base import register_kernel
+from .entmax_rows import SORTED_ROW_SOLVERS
 from .normalizers import check_alpha, entmax_backward, entmax_exponent, entmax_tau
 from .score_kernel import PowerKernel, check_positive, check_positive_int
 
@@ -45,6 +46,10 @@ class EntmaxKernel(PowerKernel):
 
     def score_backward(self, p: Tensor, dp: Tensor, z: Tensor, mask: Tensor) -> Tensor:
         return entmax_backward(p, dp, self.alpha)
+
+    def row_weights(self, cos: Tensor, beta: Tensor) -> tuple[Tensor, Tensor | None]:
+        solve = SORTED_ROW_SOLVERS.get(self.alpha)  # decoding: exact, on the top entries only
+        return super().row_weights(cos, beta) if solve is None else solve(cos * beta)
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, alpha={self.alpha:g}"

@@ -14,7 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Kernel, KernelState, append_memory, extend_mask, register_kernel
+from .base import (
+    Kernel,
+    KernelState,
+    append_memory,
+    batched_rows,
+    extend_mask,
+    register_kernel,
+    work_precision,
+)
 from .causal_attention import causal_attention
 
 
@@ -45,6 +53,8 @@ class GaussianKernel(Kernel):
                beta: Tensor) -> tuple[Tensor, KernelState]:
         state = append_memory(state, keys, values)
         n, total = queries.shape[2], state["keys"].shape[2]
+        if n == 1:
+            return decode_softmax(queries, state["keys"], state["values"], beta), state
         mask = extend_mask(n, total - keys.shape[2], keys.shape[2], queries.device)
         H = queries.shape[1]
         scores = (queries.float() @ state["keys"].float().transpose(-1, -2)) * beta.view(1, H, 1, 1)
@@ -54,3 +64,23 @@ class GaussianKernel(Kernel):
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, causal_block={self.causal_block}"
+
+
+def decode_softmax(query: Tensor, keys: Tensor, values: Tensor, beta: Tensor) -> Tensor:
+    """One decoding query against the whole memory: softmax(beta q K^T) V.
+
+    Args:
+        query: (B, H, 1, hs); keys, values: (B, H, S, hs) (views of the preallocated
+            buffers: ``bmm`` reads them in place); beta: (H,).
+    Returns:
+        (B, H, 1, hs) in the values' dtype, 0 for an empty memory; fp32 (fp64 stays fp64)
+        inside. Two batched GEMVs and a softmax: at one query row the fused attention
+        kernel's set-up costs more than the work (measured 2x).
+    """
+    B, H, _, hv = values.shape
+    if keys.shape[2] == 0:
+        return values.new_zeros(B, H, 1, hv)
+    q = work_precision(query) * work_precision(beta).view(1, H, 1, 1)
+    scores = torch.bmm(batched_rows(q), batched_rows(work_precision(keys)).transpose(1, 2))
+    y = torch.bmm(torch.softmax(scores, dim=-1), batched_rows(work_precision(values)))
+    return y.view(B, H, 1, hv).to(values.dtype)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .base import Kernel, KernelState, append_memory
+from .base import Kernel, KernelState, append_memory, decode_row
 from .normalizers import BLOCK, block_max, entmax_power, pad_to_block, work_dtype
 
 CHUNK_ELEMENTS = 2**21  # target size of one (B, H, rows, keys) fp32 block, ~8 MB
@@ -50,6 +50,14 @@ class ScoreKernel(Kernel):
     def weights(self, cos: Tensor, beta: Tensor, mask: Tensor) -> Tensor:
         """(B, H, n, S) cosines, (1, H, 1, 1) bandwidth, (n, S) mask -> (B, H, n, S) weights."""
         return self.score_weights(cos * beta, mask)
+
+    def row_weights(self, cos: Tensor, beta: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Decoding: (B, H, 1, S) cosines of one query row that sees all S >= 1 entries,
+        (1, H, 1, 1) bandwidth -> (weights, None) over all S entries, or (weights, index)
+        over the c entries ``index`` (B, H, 1, c) when all others have weight 0. Default:
+        :meth:`weights` with an all-true mask."""
+        mask = torch.ones(1, cos.shape[-1], dtype=torch.bool, device=cos.device)
+        return self.weights(cos, beta, mask), None
 
     def weights_and_state(self, cos: Tensor, beta: Tensor,
                           mask: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -84,6 +92,9 @@ class ScoreKernel(Kernel):
     def extend(self, state: KernelState, queries: Tensor, keys: Tensor, values: Tensor,
                beta: Tensor) -> tuple[Tensor, KernelState]:
         state = append_memory(state, keys, values)
+        if queries.shape[2] == 1 and not (torch.is_grad_enabled() and any(
+                t.requires_grad for t in (queries, keys, values, beta))):
+            return decode_row(self, queries, state["keys"], state["values"], beta), state
         offset = state["keys"].shape[2] - queries.shape[2]
         y = retrieve(self, queries, state["keys"], state["values"], beta, offset)
         return y, state
