@@ -132,9 +132,9 @@ class _TopKRetrieval(torch.autograd.Function):
             top = min(kernel.k, S)
             cos = q.new_full((B * H, n, top), float("-inf"))
             idx = torch.zeros(B * H, n, top, dtype=torch.long, device=q.device)
-            tiles = _Tiles(kernel, q, n, S, offset, 1)
+            tiles = _Tiles(kernel, q, k, v, offset, 1)
             for lo, hi, width in tiles:
-                s = tiles.scores(q, k, lo, hi, width)
+                s = tiles.scores(q, lo, hi, width)
                 kk = min(top, s.shape[-1])
                 cos[:, lo:hi, :kk], idx[:, lo:hi, :kk] = top_k_blocks(s, kk)
             rows = _flat_index(idx.clamp_(max=max(S - 1, 0)), S).view(-1, top)  # unused: p = 0

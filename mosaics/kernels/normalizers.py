@@ -68,9 +68,22 @@ def row_max(x: Tensor) -> Tensor:
 
 def block_max(x: Tensor) -> Tensor:
     """(..., W / BLOCK) maxima of the strided blocks {j, j + W/BLOCK, j + 2 W/BLOCK, ...} of
-    each row; W must be a multiple of BLOCK (a max over the second-to-last axis of the
-    (..., BLOCK, W / BLOCK) view vectorizes, unlike a max over short contiguous runs)."""
-    return x.unflatten(-1, (BLOCK, x.shape[-1] // BLOCK)).amax(dim=-2)
+    each row; W must be a multiple of BLOCK (a power of 2).
+
+    A max over the second-to-last axis of the (..., BLOCK, W / BLOCK) view vectorizes, unlike
+    a max over short contiguous runs, but below 32 blocks its inner loop is too short (1.35 ns
+    per entry at 8 blocks vs 0.1 at 32, (16, 96, 128) fp32): there, halve the row
+    log2(BLOCK) times, max(x[:w/2], x[w/2:w]) (0.28 ns per entry), which gives the same
+    blocks.
+    """
+    nb = x.shape[-1] // BLOCK
+    if nb >= 32:
+        return x.unflatten(-1, (BLOCK, nb)).amax(dim=-2)
+    width = x.shape[-1]
+    while width > nb:
+        width //= 2
+        x = torch.maximum(x[..., :width], x[..., width:2 * width])
+    return x
 
 
 def entmax_exponent(alpha: float) -> float | int:

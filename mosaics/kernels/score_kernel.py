@@ -25,7 +25,7 @@ from .base import Kernel, KernelState, append_memory, decode_row
 from .normalizers import BLOCK, block_max, entmax_power, pad_to_block, work_dtype
 
 CHUNK_ELEMENTS = 2**21  # target size of one (B, H, rows, keys) fp32 block, ~8 MB
-MIN_TILE_ROWS = 16  # power kernels: fewest query rows per tile (see _tile_rows)
+TILE_ROWS = 96  # most query rows per tile of the power and kNN kernels (see _tile_rows)
 
 
 class ScoreKernel(Kernel):
@@ -274,18 +274,26 @@ def _head_rows(x: Tensor, batch: int) -> Tensor:
 
 
 class _Tiles:
-    """Query tiles of a strict-past retrieval over flattened (B H, n, .) rows and the score
-    buffers they reuse (allocated once per call: a fresh T x T-sized temporary per tile and
-    pass costs more than the pass itself when the allocator maps it from the OS)."""
+    """Query tiles of a strict-past retrieval over flattened (B H, n, .) rows, the keys and
+    values padded with zero rows to a multiple of BLOCK, and the buffers the tiles reuse.
 
-    def __init__(self, kernel: ScoreKernel, like: Tensor, n: int, S: int, offset: int,
+    Buffers are allocated once per call: a fresh tile-sized temporary per tile and pass costs
+    more than the pass itself when the allocator maps it from the OS. Every GEMM writes a
+    whole contiguous buffer (into a strided slice, CPU ``bmm`` falls back to one matrix
+    product per batch entry, measured 2-4x slower at (16, 63, 64) x (16, 64, 512)).
+    """
+
+    def __init__(self, kernel: ScoreKernel, q: Tensor, k: Tensor, v: Tensor, offset: int,
                  n_buffers: int) -> None:
-        self.bh, self.n, self.S, self.offset = like.shape[0], n, S, offset
-        self.rows = _tile_rows(kernel, self.bh, n, S)
-        width = _round_up(max(1, min(S, n + offset)), BLOCK)  # the widest tile
-        size = self.bh * min(self.rows, n) * width
-        self.buffers = [like.new_empty(size) for _ in range(n_buffers)]
-        self.masks: dict[tuple[int, int, int], Tensor] = {}
+        self.bh, self.n, self.S, self.offset = q.shape[0], q.shape[1], k.shape[1], offset
+        self.rows = _tile_rows(kernel, self.bh, self.n, self.S)
+        self.k, self.v = _pad_rows(k, BLOCK), _pad_rows(v, BLOCK)
+        width = _round_up(max(1, min(self.S, self.n + offset)), BLOCK)  # the widest tile
+        rows = min(self.rows, self.n)
+        self.buffers = [q.new_empty(self.bh * rows * width) for _ in range(n_buffers)]
+        d = max(k.shape[-1], v.shape[-1])
+        self.small = q.new_empty(self.bh * d * max(rows, width))
+        self.masks: dict[tuple[int, int, int, int], Tensor] = {}
 
     def __iter__(self):
         return _chunks(self.n, self.S, self.offset, self.rows)
@@ -295,27 +303,47 @@ class _Tiles:
         wp = _round_up(width, BLOCK)
         return self.buffers[i][:self.bh * rows * wp].view(self.bh, rows, wp)
 
-    def scores(self, q: Tensor, k: Tensor, a: int, b: int, width: int) -> Tensor:
+    def narrow(self, rows: int, cols: int) -> Tensor:
+        """The small buffer as a contiguous (B H, rows, cols) tensor, rows or cols at most the
+        head size."""
+        return self.small[:self.bh * rows * cols].view(self.bh, rows, cols)
+
+    def scores(self, q: Tensor, a: int, b: int, width: int) -> Tensor:
         """Cosines of query rows a..b-1 with keys 0..width-1 in buffer 0, -inf where a row may
         not look (j > i + offset) and on the padding up to a multiple of BLOCK."""
         s = self.view(0, b - a, width)
-        torch.bmm(q[:, a:b], k[:, :width].transpose(1, 2), out=s[..., :width])
-        s[..., width:].fill_(float("-inf"))
+        torch.bmm(q[:, a:b], self.k[:, :s.shape[-1]].transpose(1, 2), out=s)
         start = min(max(a + self.offset + 1, 0), width)  # first column some row may not see
-        if start < width:
-            s[..., start:width].add_(self._mask(b - a, width - start, a + self.offset - start,
-                                                s))
+        if start < s.shape[-1]:
+            s[..., start:].add_(self._mask(b - a, s.shape[-1] - start, a + self.offset - start,
+                                           width - start, s))
         return s
 
-    def _mask(self, rows: int, cols: int, lag: int, like: Tensor) -> Tensor:
-        """(rows, cols) additive mask: -inf where column jj > row ii + lag, else 0."""
-        key = (rows, cols, lag)
+    def _mask(self, rows: int, cols: int, lag: int, limit: int, like: Tensor) -> Tensor:
+        """(rows, cols) additive mask: -inf where column jj > row ii + lag or jj >= limit."""
+        key = (rows, cols, lag, limit)
         if key not in self.masks:
             ii = torch.arange(rows, device=like.device).view(-1, 1)
             jj = torch.arange(cols, device=like.device).view(1, -1)
             self.masks[key] = torch.zeros((), dtype=like.dtype, device=like.device).masked_fill(
-                jj > ii + lag, float("-inf")).expand(rows, cols).contiguous()
+                (jj > ii + lag) | (jj >= limit), float("-inf")).expand(rows, cols).contiguous()
         return self.masks[key]
+
+    def weighted_values(self, p: Tensor, scale: Tensor, out: Tensor) -> None:
+        """out = (p V) / scale for a tile of weights p (B H, rows, width)."""
+        tmp = torch.bmm(p, self.v[:, :p.shape[-1]], out=self.narrow(p.shape[1], self.v.shape[-1]))
+        torch.div(tmp, scale, out=out)
+
+    def add_outer(self, acc_t: Tensor, rows_t: Tensor, p: Tensor) -> None:
+        """acc_t[..., :width] += rows_t p: (B H, d, S) += (B H, d, rows) (B H, rows, width)."""
+        tmp = torch.bmm(rows_t, p, out=self.narrow(rows_t.shape[1], p.shape[-1]))
+        acc_t[..., :p.shape[-1]].add_(tmp)
+
+
+def _pad_rows(x: Tensor, m: int) -> Tensor:
+    """(B H, S, d) with zero rows appended up to a multiple of m."""
+    pad = -x.shape[1] % m
+    return torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
 
 
 def _round_up(x: int, m: int) -> int:
@@ -323,9 +351,11 @@ def _round_up(x: int, m: int) -> int:
 
 
 def _tile_rows(kernel: ScoreKernel, batch_heads: int, n: int, S: int) -> int:
-    """Query rows per tile: about ``chunk_elements`` scores, and at most an eighth of the rows
-    (the last key block of a tile is a triangle: more, thinner tiles skip more of it)."""
-    return max(1, min(_rows_per_chunk(kernel, batch_heads, S), max(MIN_TILE_ROWS, n // 8)))
+    """Query rows per tile: at most ``chunk_elements`` scores and TILE_ROWS rows. Per tile
+    there is a fixed cost (~100 small ops) and a wasted triangle of rows^2 / 2 masked scores;
+    forward + backward at (4, 4, 512, 64), (1, 4, 1024, 32) and (1, 4, 4096, 32) was fastest
+    at 64-96 rows (32 and 256 rows: 10-50% slower)."""
+    return max(1, min(_rows_per_chunk(kernel, batch_heads, S), TILE_ROWS))
 
 
 class _PowerRetrieval(torch.autograd.Function):
@@ -343,26 +373,24 @@ class _PowerRetrieval(torch.autograd.Function):
     def forward(ctx, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                 kernel: PowerKernel, offset: int) -> Tensor:
         B, H, n, _ = queries.shape
-        S, hv = keys.shape[2], values.shape[-1]
+        hv = values.shape[-1]
         wd = work_dtype(queries.dtype)
         r = kernel.power
         with torch.autocast(queries.device.type, enabled=False):
             q, k, v = (x.to(wd).reshape(B * H, x.shape[2], x.shape[3])
                        for x in (queries, keys, values))
             a = _head_rows(kernel.score_scale * beta.detach().to(wd), B)
-            tiles = _Tiles(kernel, q, n, S, offset, 3)
+            tiles = _Tiles(kernel, q, k, v, offset, 3)
             out = q.new_zeros(B * H, n, hv)
             stats = q.new_zeros(3, B * H, n, 1)  # m, shift, N
             arg = torch.zeros(B * H, n, 1, dtype=torch.long, device=q.device)
             for lo, hi, width in tiles:
-                u = tiles.scores(q, k, lo, hi, width)
+                u = tiles.scores(q, lo, hi, width)
                 m, shift, top = kernel._shift_rows_(
                     u, a, (tiles.view(1, hi - lo, width), tiles.view(2, hi - lo, width)))
                 p = u if r == 1 else entmax_power(u, r, out=tiles.view(1, hi - lo, width))
                 total = p.sum(dim=-1, keepdim=True)
-                rows = out[:, lo:hi]
-                torch.bmm(p[..., :width], v[:, :width], out=rows)
-                rows.div_(total.clamp_min(torch.finfo(wd).tiny))
+                tiles.weighted_values(p, total.clamp_min(torch.finfo(wd).tiny), out[:, lo:hi])
                 stats[0, :, lo:hi], stats[1, :, lo:hi], stats[2, :, lo:hi] = m, shift, total
                 if top is not None:
                     arg[:, lo:hi] = top
@@ -392,20 +420,19 @@ class _PowerRetrieval(torch.autograd.Function):
             q_k = q * (kappa * bb)
             c_fixed = None if entmax_rule else (g * y).sum(dim=-1, keepdim=True)
             dq = torch.zeros_like(q)
-            dk_t = q.new_zeros(B * H, hs, S)
-            dv_t = q.new_zeros(B * H, hv, S)
+            tiles = _Tiles(kernel, q, k, v, offset, 3)
+            dk_t = q.new_zeros(B * H, hs, tiles.k.shape[1])
+            dv_t = q.new_zeros(B * H, hv, tiles.k.shape[1])
             dbeta = q.new_zeros(B * H, n, 1)
             row_sum = q.new_zeros(B * H, n, 1)
-            tiles = _Tiles(kernel, q, n, S, offset, 3)
             for lo, hi, width in tiles:
-                u = tiles.scores(q, k, lo, hi, width)
+                u = tiles.scores(q, lo, hi, width)
                 u.sub_(m[:, lo:hi]).mul_(a).sub_(shift[:, lo:hi]).clamp_min_(0.0)
                 spare = tiles.view(1, hi - lo, width)
                 p = u if r == 1 else entmax_power(u, r, out=spare)
-                dv_t[..., :width].baddbmm_(g_n[:, lo:hi].transpose(1, 2), p[..., :width])
-                dp = tiles.view(2, hi - lo, width)
-                torch.bmm(g[:, lo:hi], v[:, :width].transpose(1, 2), out=dp[..., :width])
-                dp[..., width:].zero_()
+                tiles.add_outer(dv_t, g_n[:, lo:hi].transpose(1, 2), p)
+                dp = torch.bmm(g[:, lo:hi], tiles.v[:, :u.shape[-1]].transpose(1, 2),
+                               out=tiles.view(2, hi - lo, width))
                 h, spare = _power_derivative_(u, r, spare)
                 if entmax_rule:  # c = sum(h dp) / sum(h)
                     c = torch.mul(h, dp, out=spare).sum(dim=-1, keepdim=True).div_(
@@ -413,19 +440,19 @@ class _PowerRetrieval(torch.autograd.Function):
                 else:  # c = <p, dp> = dY . Y
                     c = c_fixed[:, lo:hi]
                 dz = dp.sub_(c).mul_(h)
-                dq_raw = torch.bmm(dz[..., :width], k[:, :width])
+                dq_raw = torch.bmm(dz, tiles.k[:, :dz.shape[-1]])
                 inner = (dq_raw * q[:, lo:hi]).sum(dim=-1, keepdim=True)
                 if not entmax_rule:  # d/dbeta of u: c - m; sum_s dz_ts = 0 for entmax
                     row_sum[:, lo:hi] = dz.sum(dim=-1, keepdim=True)
                     inner -= m[:, lo:hi] * row_sum[:, lo:hi]
                 dbeta[:, lo:hi] = kappa[:, lo:hi] * inner
                 dq[:, lo:hi] = dq_raw * (kappa[:, lo:hi] * bb)
-                dk_t[..., :width].baddbmm_(q_k[:, lo:hi].transpose(1, 2), dz[..., :width])
-            dk = dk_t.transpose(1, 2).contiguous()
+                tiles.add_outer(dk_t, q_k[:, lo:hi].transpose(1, 2), dz)
+            dk = dk_t[..., :S].transpose(1, 2).contiguous()
             if kernel.anchor is None and not entmax_rule and S > 0:  # m_t = max_s c_ts moves
                 _add_max_gradient(dq, dk, q, k, arg, -(kappa * bb) * row_sum)
         return (dq.view(queries.shape).to(queries.dtype), dk.view(keys.shape).to(keys.dtype),
-                dv_t.transpose(1, 2).reshape(values.shape).to(values.dtype),
+                dv_t[..., :S].transpose(1, 2).reshape(values.shape).to(values.dtype),
                 dbeta.view(B, H, n).sum(dim=(0, 2)).to(beta.dtype), None, None)
 
 
