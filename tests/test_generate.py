@@ -8,7 +8,7 @@ import torch
 
 from mosaics import MosaicsForCausalLM, available_kernels
 from mosaics.kernels import get_kernel
-from mosaics.kernels.base import MIN_MEMORY_BUFFER, append_along_time
+from mosaics.kernels.base import MIN_MEMORY_BUFFER, append_along_time, gather_rows
 
 KERNELS = [k for k in available_kernels() if not k.startswith("test_")]
 
@@ -172,3 +172,14 @@ def test_bf16_decoding_tracks_the_full_forward(tiny_config, kernel):
         steps, _ = decode_one_by_one(model, ids, 5)
     assert steps.dtype == torch.bfloat16
     torch.testing.assert_close(steps.float(), full.float(), atol=0.05, rtol=0.05)
+
+
+def test_gather_rows_equals_gather_on_buffers_and_other_layouts():
+    torch.manual_seed(5)
+    buffer = torch.randn(3, 2, 10, 4)
+    for x in (buffer[:, :, :7], buffer[1:, :, 2:9], buffer[:, :, :7].contiguous(),
+              buffer.transpose(0, 1)[:, :, :7]):
+        B, H, S, D = x.shape
+        index = torch.randint(0, S, (B, H, 5))
+        expected = x.gather(2, index.unsqueeze(-1).expand(B, H, -1, D))
+        assert torch.equal(gather_rows(x, index), expected)

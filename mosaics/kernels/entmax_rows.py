@@ -10,30 +10,44 @@ only their values (``SORTED_ROW_SOLVERS``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+TOP_K = 32  # candidates taken at once; more only when a row has more within reach of its max
+
 
 def top_candidates(z: Tensor, width: float) -> tuple[Tensor, Tensor]:
     """(z - row max, index) of the c largest entries of each row (..., S), sorted descending,
-    with c the largest count over the rows of entries within ``width`` of their row max."""
-    top = z.amax(dim=-1, keepdim=True)
-    c = max(int((z > top - width).sum(dim=-1).amax()), 1)
-    values, index = z.topk(c, dim=-1)
-    return values - top, index
+    with every entry within ``width`` of its row max among them: one ``topk`` of
+    min(S, TOP_K), and a second, wider one only when some row has more such entries."""
+    k = min(z.shape[-1], TOP_K)
+    values, index = z.topk(k, dim=-1)
+    values = values - values[..., :1]
+    if k < z.shape[-1] and bool((values[..., -1] > -width).any()):
+        c = int((z > z.amax(dim=-1, keepdim=True) - width).sum(dim=-1).amax())
+        values, index = z.topk(c, dim=-1)
+        values = values - values[..., :1]
+    return values, index
+
+
+@functools.lru_cache(maxsize=64)
+def _ranks(c: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """1, 2, ..., c (cached: decoding asks for the same few lengths every step)."""
+    return torch.arange(1, c + 1, device=device, dtype=dtype)
 
 
 def sparsemax_top(z: Tensor) -> tuple[Tensor, Tensor]:
     """sparsemax of each row of z (..., S): (weights (..., c), index (..., c)) of the
-    candidates, [z - tau]_+ with tau = (sum_{j<=k} z_(j) - 1) / k for the largest k with
-    z_(k) > tau_k (z_(j) sorted descending, relative to the row max)."""
+    candidates, [z - tau]_+ with tau = max_k (sum_{j<=k} z_(j) - 1) / k (z_(j) sorted
+    descending, relative to the row max): every prefix k has sum_{j<=k} (z_(j) - tau) <= 1,
+    with equality at the support size."""
     srt, index = top_candidates(z, 1.0)
-    ranks = torch.arange(1, srt.shape[-1] + 1, device=z.device, dtype=z.dtype)
-    csum = srt.cumsum(dim=-1) - 1.0
-    size = (srt * ranks > csum).sum(dim=-1, keepdim=True)  # >= 1: the max always qualifies
-    return (srt - csum.gather(-1, size - 1) / size).clamp_min(0.0), index
+    ranks = _ranks(srt.shape[-1], srt.device, srt.dtype)
+    tau = ((srt.cumsum(dim=-1) - 1.0) / ranks).amax(dim=-1, keepdim=True)
+    return (srt - tau).clamp_min(0.0), index
 
 
 def entmax15_top(z: Tensor) -> tuple[Tensor, Tensor]:
@@ -42,7 +56,7 @@ def entmax15_top(z: Tensor) -> tuple[Tensor, Tensor]:
     mean_k - sqrt((1 - k var_k) / k) over the top k, for the largest k with tau_k <= x_(k)."""
     srt, index = top_candidates(z, 2.0)
     srt = srt * 0.5
-    ranks = torch.arange(1, srt.shape[-1] + 1, device=z.device, dtype=z.dtype)
+    ranks = _ranks(srt.shape[-1], srt.device, srt.dtype)
     mean = srt.cumsum(dim=-1) / ranks
     spread = ranks * ((srt * srt).cumsum(dim=-1) / ranks - mean * mean)
     tau_k = mean - ((1.0 - spread) / ranks).clamp_min(0.0).sqrt()

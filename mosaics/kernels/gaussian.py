@@ -83,4 +83,5 @@ def decode_softmax(query: Tensor, keys: Tensor, values: Tensor, beta: Tensor) ->
     q = work_precision(query) * work_precision(beta).view(1, H, 1, 1)
     scores = torch.bmm(batched_rows(q), batched_rows(work_precision(keys)).transpose(1, 2))
     y = torch.bmm(torch.softmax(scores, dim=-1), batched_rows(work_precision(values)))
-    return y.view(B, H, 1, hv).to(values.dtype)
+    y = y.view(B, H, 1, hv)
+    return y if y.dtype == values.dtype else y.to(values.dtype)
