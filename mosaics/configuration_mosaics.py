@@ -6,6 +6,8 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+PERSISTENT_MEMORIES = ("banks", "swiglu")
+
 
 class MosaicsConfig(PretrainedConfig):
     """Hyper-parameters of a Memory Mosaics model (Zhang, Bottou et al., 2025).
@@ -32,6 +34,13 @@ class MosaicsConfig(PretrainedConfig):
         loss_chunk_size: a training forward with labels computes the loss and its gradient
             in chunks of this many tokens without materialising the (B, T, V) logits
             (``logits`` is then ``None``); 0 always materialises them.
+        gated_keys: Memory Mosaics v2 keys in the contextual memory: kbar_t = g_t k~_t +
+            lambda_t kbar_{t-1} with g_t = exp(W_g x_t), lambda_t = exp(-|W_lambda x_t + b|)
+            per head (W_g = W_lambda = 0 at init: the v1 average). See ``memory_v2.py``.
+        persistent_memory: ``"banks"`` (v1: attention over P learned slots) or ``"swiglu"``
+            (v2: W2 (SiLU(W1 x) * W3 x)).
+        swiglu_hidden: hidden width of the SwiGLU persistent memory; ``None`` gives 3 d, the
+            9 d^2 weights of the v1 persistent memory with its c_proj.
     """
 
     model_type = "mosaics"
@@ -58,6 +67,9 @@ class MosaicsConfig(PretrainedConfig):
         key_projection: bool = True,
         fixed_value_projection: bool = False,
         loss_chunk_size: int = 1024,
+        gated_keys: bool = False,
+        persistent_memory: str = "banks",
+        swiglu_hidden: int | None = None,
         initializer_seed: int = 0,
         tie_word_embeddings: bool = True,
         use_cache: bool = True,
@@ -80,6 +92,9 @@ class MosaicsConfig(PretrainedConfig):
         self.key_projection = key_projection
         self.fixed_value_projection = fixed_value_projection
         self.loss_chunk_size = loss_chunk_size
+        self.gated_keys = bool(gated_keys)
+        self.persistent_memory = persistent_memory
+        self.swiglu_hidden = swiglu_hidden if swiglu_hidden is not None else 3 * n_embd
         self.initializer_seed = initializer_seed
         self.use_cache = use_cache
         self.tie_word_embeddings = tie_word_embeddings
@@ -95,8 +110,11 @@ class MosaicsConfig(PretrainedConfig):
 
     def validate_sizes(self) -> None:
         """Raise ``ValueError`` naming the bad field and how to fix it."""
+        if self.persistent_memory not in PERSISTENT_MEMORIES:
+            raise ValueError(f"MosaicsConfig.persistent_memory must be one of "
+                             f"{PERSISTENT_MEMORIES}, got {self.persistent_memory!r}.")
         for name in ("vocab_size", "n_layer", "n_head", "n_embd", "pmem_size", "block_size",
-                     "leaky_chunk_size"):
+                     "leaky_chunk_size", "swiglu_hidden"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"MosaicsConfig.{name} must be a positive integer, got {value!r}.")

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from .configuration_mosaics import MosaicsConfig
 from .kernels import Kernel, get_kernel
 from .leaky import continue_leaky_sum, decay_rate, leaky_average
+from .memory_v2 import GatedKeys
 from .unit_norm import unit_vectors
 
 EXP_SCALE = 10.0  # per-head scalars are stored divided by this (the reference's exp_param_scale)
@@ -109,6 +110,11 @@ class ContextualMemory(nn.Module):
         else:
             self.v_proj = nn.Linear(d, d, bias=False)
         self.leaky_p = nn.Parameter(torch.empty(H))  # key decay, lambda = exp(-10 |p|)
+        # v2: input-dependent gain and decay per step replace the fixed decay lambda_h
+        self.gated = GatedKeys(d, H, config.leaky_chunk_size) if config.gated_keys else None
+        if self.gated is not None:
+            del self.leaky_p
+            self.register_parameter("leaky_p", None)
         self.bandwidth_b = nn.Parameter(torch.empty(H))  # beta = exp(2 min(10 b, 5))
         self.lookahead_c = nn.Parameter(torch.empty(H))  # value mix of x_t and x_{t+1}
         self.value_q = nn.Parameter(torch.empty(H))  # value scale exp(10 q)
@@ -121,8 +127,26 @@ class ContextualMemory(nn.Module):
 
     @torch.no_grad()
     def reset_scalars(self) -> None:
-        init_head_scalars(self.leaky_p, self.bandwidth_b, self.value_q)
+        leaky_p = self.leaky_p if self.leaky_p is not None else torch.empty(self.n_head)
+        init_head_scalars(leaky_p, self.bandwidth_b, self.value_q)
         self.lookahead_c.uniform_(0.0, 1.0)
+        if self.gated is not None:
+            self.gated.reset_parameters()
+
+    def keys(self, x: Tensor, k_raw: Tensor,
+             state: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Unit keys (B, H, T, hs), the un-normalised averages and the last one (B, H, hs),
+        from inputs x (B, T, d) and key features k_raw, continuing ``state``."""
+        if self.gated is not None:
+            kbar, last = self.gated.averages(x, k_raw, state)
+        elif state is None:
+            kbar = leaky_average(k_raw, decay_rate(self.leaky_p, EXP_SCALE), None, self.chunk)
+            last = kbar[:, :, -1].clone()
+        else:
+            a = decay_rate(self.leaky_p, EXP_SCALE)
+            kbar, last = continue_leaky_sum(state, k_raw, a, torch.exp(-a).view(-1, 1),
+                                            self.chunk)
+        return unit_vectors(kbar, NORM_EPS), kbar, last
 
     def project(self, x: Tensor, kv: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Raw key and value features W_k x, W_v x as (B, H, T, hs); ``kv``: the stacked
@@ -146,7 +170,10 @@ class ContextualMemory(nn.Module):
         return torch.cat([wk, wv.to(wk.dtype)])
 
     def decode_weights(self) -> ContextualWeights:
-        a = decay_rate(self.leaky_p, EXP_SCALE)
+        if self.leaky_p is not None:
+            a = decay_rate(self.leaky_p, EXP_SCALE)
+        else:  # gated keys: the decay comes from each token (see ``keys``)
+            a = torch.zeros_like(self.bandwidth_b)
         return ContextualWeights(kv=self.stacked_projection(), log_decay=a,
                                  decay=torch.exp(-a).view(-1, 1),
                                  beta=bandwidth(self.bandwidth_b),
@@ -182,8 +209,7 @@ class ContextualMemory(nn.Module):
                 return self._step(x, state)
             return self.extend(x, state)
         k_raw, v_raw = self.project(x)
-        kbar = leaky_average(k_raw, decay_rate(self.leaky_p, EXP_SCALE), None, self.chunk)
-        keys = unit_vectors(kbar, NORM_EPS)
+        keys, kbar, last = self.keys(x, k_raw)
         # full sequence: v~_T := 0 past the end (v_{T-1} is never retrieved in-window)
         values = self.finish_values(F.pad(v_raw, (0, 0, 0, 1)))
         y = self.resid_dropout(self.output(self.kernel(keys, values, bandwidth(self.bandwidth_b))))
@@ -193,7 +219,7 @@ class ContextualMemory(nn.Module):
         kstate = self.kernel.init_state(x.shape[0], self.n_head, keys.shape[-1], x.device,
                                         values.dtype)
         kstate = self.kernel.prefill_state(kstate, keys[:, :, :-1], values[:, :, :-1])
-        return y, {"kbar": kbar[:, :, -1].clone(), "key": keys[:, :, -1:],
+        return y, {"kbar": last, "key": keys[:, :, -1:],
                    "v_raw": v_raw[:, :, -1:], "kernel": kstate, "weights": self.decode_weights()}
 
     def _step(self, x: Tensor, state: dict) -> tuple[Tensor, dict]:
@@ -202,7 +228,12 @@ class ContextualMemory(nn.Module):
         w: ContextualWeights = state["weights"]
         B, _, d = x.shape
         kv = F.linear(x.view(B, d), w.kv).view(B, 2, self.n_head, d // self.n_head)
-        kbar = torch.addcmul(kv[:, 0], state["kbar"], w.decay, out=state["kbar"])
+        if self.gated is not None:
+            gain, log_decay = self.gated.rates(x)  # (B, H, 1)
+            kbar = torch.addcmul(kv[:, 0] * gain, state["kbar"], torch.exp(-log_decay),
+                                 out=state["kbar"])
+        else:
+            kbar = torch.addcmul(kv[:, 0], state["kbar"], w.decay, out=state["kbar"])
         key = unit_vectors(kbar, NORM_EPS).unsqueeze(2)  # (B, H, 1, hs)
         v_raw = kv[:, 1].unsqueeze(2)
         mix = w.mix if w.mix.dtype == v_raw.dtype else w.mix.to(v_raw.dtype)
@@ -219,8 +250,7 @@ class ContextualMemory(nn.Module):
         kernel's buffers are updated in place)."""
         w: ContextualWeights = state["weights"]
         k_raw, v_raw = self.project(x, w.kv)
-        kbar, total = continue_leaky_sum(state["kbar"], k_raw, w.log_decay, w.decay, self.chunk)
-        keys = unit_vectors(kbar, NORM_EPS)
+        keys, _, total = self.keys(x, k_raw, state["kbar"])
         if x.shape[1] == 1:  # one token: its query k_t, the memory gains (k_{t-1}, v_{t-1})
             mem_keys = state["key"]
             vbar = torch.lerp(v_raw, state["v_raw"], w.mix.to(v_raw.dtype))

@@ -80,23 +80,27 @@ class GatedKeys(nn.Module):
         log_decay = (self.decay(x) + self.decay_offset).abs().transpose(1, 2)
         return gain, log_decay
 
+    def averages(self, x: Tensor, features: Tensor, state: Tensor | None = None,
+                 documents: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Un-normalised averages kbar (B, H, T, hs) of key features k~ (B, H, T, hs) gated by
+        inputs x (B, T, d), continuing ``state`` (B, H, hs); and the last one (B, H, hs)."""
+        gain, log_decay = self.rates(x)
+        gain, log_decay = gain.to(features.dtype), log_decay.to(features.dtype)
+        if features.shape[2] == 1 and state is not None:  # one decoding step
+            last = gated_leaky_step(features[:, :, 0], gain[:, :, 0], log_decay[:, :, 0], state)
+            return last.unsqueeze(2), last
+        return gated_leaky_average(features, gain, log_decay, self.chunk, state, documents)
+
     def forward(self, x: Tensor, features: Tensor, state: Tensor | None = None,
                 documents: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Unit keys (B, H, T, hs) from inputs x (B, T, d) and key features k~ (B, H, T, hs),
-        continuing ``state`` (B, H, hs); returns the keys and the new un-normalised state."""
-        gain, log_decay = self.rates(x)
-        if features.shape[2] == 1 and state is not None:  # one decoding step
-            kbar = gated_leaky_step(features[:, :, 0], gain[:, :, 0], log_decay[:, :, 0],
-                                    state).unsqueeze(2)
-            last = kbar[:, :, 0]
-        else:
-            kbar, last = gated_leaky_average(features, gain, log_decay, self.chunk, state,
-                                             documents)
+        """Unit keys (B, H, T, hs) and the new un-normalised state (B, H, hs)."""
+        kbar, last = self.averages(x, features, state, documents)
         return unit_vectors(kbar, NORM_EPS), last
 
 
 class SwiGLUMemory(nn.Module):
-    """Persistent memory of v2: y = W2 (SiLU(W1 x) * W3 x), hidden width ``hidden``."""
+    """Persistent memory of v2: y = W2 (SiLU(W1 x) * W3 x), hidden width ``hidden``. Same
+    call as the v1 persistent memory (``(y, state)``); it keeps no decoding state."""
 
     def __init__(self, n_embd: int, hidden: int, dropout: float = 0.0) -> None:
         super().__init__()
@@ -105,6 +109,7 @@ class SwiGLUMemory(nn.Module):
         self.w2 = nn.Linear(hidden, n_embd, bias=False)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """(B, T, d) -> (B, T, d)."""
-        return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+    def forward(self, x: Tensor, state: dict | None = None) -> tuple[Tensor, dict | None]:
+        """(B, T, d) -> (B, T, d); ``state`` is passed through (``{}`` while decoding)."""
+        y = self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+        return y, (None if state is None else {})

@@ -23,6 +23,7 @@ from .cache import MosaicsCache
 from .configuration_mosaics import MosaicsConfig
 from .fused_loss import linear_cross_entropy
 from .memory import ContextualMemory, PersistentMemory
+from .memory_v2 import SwiGLUMemory
 from .remote_code import save_model_code
 
 
@@ -76,7 +77,8 @@ class MosaicsBlock(GradientCheckpointingLayer):
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=False)
         self.cmem = ContextualMemory(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=False)
-        self.pmem = PersistentMemory(config)
+        self.pmem = (SwiGLUMemory(config.n_embd, config.swiglu_hidden, config.dropout)
+                     if config.persistent_memory == "swiglu" else PersistentMemory(config))
 
     def forward(self, x: Tensor, state: dict | None = None) -> tuple[Tensor, dict | None]:
         y, cstate = self.cmem(self.ln_1(x), None if state is None else state["context"])
@@ -116,6 +118,10 @@ class MosaicsPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.c_proj.weight, mean=0.0, std=std)
             if isinstance(module, PersistentMemory):
                 module.reset_banks()
+        elif isinstance(module, SwiGLUMemory):  # output layer scaled like c_proj
+            fan_in = module.w2.weight.shape[1]
+            std = 1.0 / math.sqrt(fan_in * self.config.n_layer)
+            nn.init.normal_(module.w2.weight, mean=0.0, std=std)
 
     def save_pretrained(self, save_directory, *args, **kwargs):  # noqa: ANN001
         """Save weights and config, plus this model's code for ``trust_remote_code=True``."""

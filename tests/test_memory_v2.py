@@ -90,5 +90,7 @@ def test_swiglu_formula():
     w1, w2, w3 = mem.w1.weight, mem.w2.weight, mem.w3.weight
     h = x @ w1.T
     expect = ((h * torch.sigmoid(h)) * (x @ w3.T)) @ w2.T
-    torch.testing.assert_close(mem(x), expect)
+    y, state = mem(x)
+    torch.testing.assert_close(y, expect)
+    assert state is None and mem(x, {})[1] == {}
     assert sum(p.numel() for p in mem.parameters()) == 3 * 8 * 24
