@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from mosaics import MosaicsForCausalLM
-from mosaics.kernels import get_kernel
+from mosaics.kernels import fska, get_kernel
 from mosaics.kernels.fska import FSKAKernel, causal_linear_attention
 from mosaics.kernels.spectral_flow import (
     SpectralFlow,
@@ -236,6 +236,54 @@ def test_chunked_linear_attention_matches_dense_masked_reference(T, chunk):
     want = scores @ v / (scores.sum(-1, keepdim=True) + 1e-12)
     torch.testing.assert_close(got, want)
     assert torch.equal(got[:, :, 0], torch.zeros_like(got[:, :, 0]))
+
+
+def elu1_inputs(T, seed=9):
+    g = torch.Generator().manual_seed(seed)
+    x = unit(torch.randn(2, 3, T, 5, generator=g, dtype=torch.float64)).requires_grad_()
+    v = torch.randn(2, 3, T, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    w1, w2 = (torch.randn(3, 6, 5, generator=g, dtype=torch.float64, requires_grad=True)
+              for _ in range(2))
+    return x, v, w1, w2
+
+
+@pytest.mark.parametrize("T,chunk,segment", [(1, 4, 2**18), (13, 4, 2**18), (40, 8, 300),
+                                             (37, 4, 150), (11, 1, 40), (9, 64, 2**18)])
+def test_elu1_retrieval_matches_autograd_through_the_chunked_reference(monkeypatch, T, chunk,
+                                                                       segment):
+    """The segmented elu1 function (hand-written backward, several segments when the segment
+    budget is small) == autograd through features + causal_linear_attention, in float64."""
+    monkeypatch.setattr(fska, "SEGMENT_ELEMENTS", segment)
+    x, v, w1, w2 = elu1_inputs(T)
+    dy = torch.randn(2, 3, T, 4, dtype=torch.float64)
+    f = elu1_features(x, w1, w2)
+    want = causal_linear_attention(f, f, v, chunk, 1e-20)
+    got = fska._CosineFeatureAttention.apply(x, v, w1, w2, chunk, 1e-20)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+    for a, b in zip(torch.autograd.grad(got, (x, v, w1, w2), dy),
+                    torch.autograd.grad(want, (x, v, w1, w2), dy)):
+        torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-9)
+    if T <= 13:
+        assert torch.autograd.gradcheck(
+            lambda *a: fska._CosineFeatureAttention.apply(*a, chunk, 1e-20), (x, v, w1, w2))
+
+
+def test_elu1_retrieval_saves_no_features(monkeypatch):
+    """Backward keeps the inputs, the output and O(T + segments x M' hs) numbers: nothing of
+    size T x M'."""
+    monkeypatch.setattr(fska, "SEGMENT_ELEMENTS", 2**12)
+    T = 256
+    x, v, w1, w2 = elu1_inputs(T)
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fska._CosineFeatureAttention.apply(x, v, w1, w2, 8, 1e-20)
+    assert max(saved) < 2 * 3 * T * 2 * 6  # the features would be B H T M' numbers
+    y.sum().backward()
 
 
 def dense_reference(kernel: FSKAKernel, keys, values, beta):

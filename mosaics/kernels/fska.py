@@ -113,32 +113,35 @@ class _CosineFeatureAttention(torch.autograd.Function):
         B, H, T, hs = x.shape
         seg = _Segments(x, values, w1, w2, chunk)
         y = x.new_empty(B * H, T, values.shape[-1])
+        den = x.new_empty(B * H, T, 1)
         state = x.new_zeros(B * H, seg.F, seg.D + 1)
         starts = []
         for lo, hi in seg:
             starts.append(state)
             g, _, _ = seg.features(lo, hi)
             o, _, _, state = seg.outputs(g, seg.values(lo, hi), state)
-            seg.divide(o, eps, out=y[:, lo:hi])
-        ctx.chunk, ctx.eps = chunk, eps
-        ctx.save_for_backward(x, values, w1, w2, torch.stack(starts))
-        return y.view(B, H, T, -1)
+            torch.add(o[:, :hi - lo, seg.D:], eps, out=den[:, lo:hi])
+            torch.div(o[:, :hi - lo, :seg.D], den[:, lo:hi], out=y[:, lo:hi])
+        ctx.chunk = chunk
+        y = y.view(B, H, T, -1)
+        ctx.save_for_backward(x, values, w1, w2, torch.stack(starts), y, den)
+        return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy: Tensor):  # noqa: ANN205
-        x, values, w1, w2, starts = ctx.saved_tensors
+        x, values, w1, w2, starts, y, den = ctx.saved_tensors
         B, H, T, hs = x.shape
         seg = _Segments(x, values, w1, w2, ctx.chunk)
-        dy = dy.reshape(B * H, T, seg.D)
+        dy, y = dy.reshape(B * H, T, seg.D), y.reshape(B * H, T, seg.D)
         dx, dv = torch.empty_like(seg.x), torch.empty_like(seg.v)
         dw = torch.zeros_like(seg.w)  # (B H, 2M, hs)
         carried = torch.zeros_like(starts[0])  # R: sum over later positions of g_t do_t^T
         for i, (lo, hi) in reversed(list(enumerate(seg))):
             g, cos_a, sin_a = seg.features(lo, hi)
             vs = seg.values(lo, hi)
-            o, A, prefix, _ = seg.outputs(g, vs, starts[i])
-            do = seg.output_grad(o, dy[:, lo:hi], ctx.eps)
+            A, prefix, _ = seg.blocks(g, vs, starts[i])
+            do = seg.output_grad(dy[:, lo:hi], y[:, lo:hi], den[:, lo:hi], g.shape[1])
             dg, dvs, carried = seg.grads(g, vs, do, A, prefix, carried)
             dv[:, lo:hi] = dvs[:, :hi - lo, :seg.D]
             da = seg.angle_grad(dg, g, cos_a, sin_a)
@@ -215,33 +218,33 @@ class _Segments:
             prev = c
         return out
 
-    def outputs(self, g: Tensor, v: Tensor, state: Tensor):
-        """(o, A, prefix P, next state) of one segment: o = A v' + g P."""
+    def blocks(self, g: Tensor, v: Tensor, state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(A, prefix P, next state) of one segment: the strictly-lower blocks A = g g^T of its
+        chunks and the state before each chunk, P_c = S + sum_{c' < c} g_c'^T v'_c'."""
         gc, vc = self._chunks(g), self._chunks(v)
         A = torch.bmm(gc, gc.transpose(1, 2), out=self.ws.take("A", gc.shape[0], self.C, self.C))
         A.mul_(self.mask)
         per_chunk = torch.bmm(gc.transpose(1, 2), vc,
                               out=self.ws.take("state", gc.shape[0], self.F, self.D + 1))
         prefix = self._prefix("prefix", per_chunk, state, reverse=False)
+        return A, prefix, prefix[:, -1] + per_chunk.view(prefix.shape)[:, -1]
+
+    def outputs(self, g: Tensor, v: Tensor, state: Tensor):
+        """(o, A, prefix P, next state) of one segment: o = A v' + g P."""
+        A, prefix, state = self.blocks(g, v, state)
+        gc, vc = self._chunks(g), self._chunks(v)
         o = torch.bmm(A, vc, out=self.ws.take("o", *vc.shape))
         o.baddbmm_(gc, prefix.view(-1, self.F, self.D + 1))
-        last = per_chunk.view(prefix.shape)[:, -1]
-        return o.view(v.shape), A, prefix, prefix[:, -1] + last
+        return o.view(v.shape), A, prefix, state
 
-    def divide(self, o: Tensor, eps: float, out: Tensor) -> None:
-        """y = o[:D] / (o[D] + eps) for the first rows of the segment (the rest is padding)."""
-        n = out.shape[1]
-        torch.div(o[:, :n, :self.D], o[:, :n, self.D:] + eps, out=out)
-
-    def output_grad(self, o: Tensor, dy: Tensor, eps: float) -> Tensor:
-        """do = [dy / den, -(dy . y) / den] with den = o[D] + eps (0 on padding rows)."""
+    def output_grad(self, dy: Tensor, y: Tensor, den: Tensor, rows: int) -> Tensor:
+        """do = [dy / den, -(dy . y) / den] for the segment's rows (0 on padding rows)."""
         n, D = dy.shape[1], self.D
-        do = self.ws.take("do", *o.shape)
+        do = self.ws.take("do", dy.shape[0], rows, D + 1)
         do[:, n:] = 0.0
-        den = o[:, :n, D:] + eps
         torch.div(dy, den, out=do[:, :n, :D])
-        prod = torch.mul(do[:, :n, :D], o[:, :n, :D], out=self.ws.take("prod", o.shape[0], n, D))
-        torch.div(prod.sum(-1, keepdim=True), den, out=do[:, :n, D:]).neg_()
+        prod = torch.mul(do[:, :n, :D], y, out=self.ws.take("prod", dy.shape[0], n, D))
+        torch.sum(prod, -1, keepdim=True, out=do[:, :n, D:]).neg_()
         return do
 
     def grads(self, g: Tensor, v: Tensor, do: Tensor, A: Tensor, prefix: Tensor,
@@ -253,8 +256,8 @@ class _Segments:
         per_chunk = torch.bmm(gc.transpose(1, 2), doc,
                               out=self.ws.take("state", gc.shape[0], self.F, self.D + 1))
         later = self._prefix("later", per_chunk, carried, reverse=True)  # R_c
-        dg = torch.bmm(dA, gc, out=self.ws.take("dg", *gc.shape))
-        dg.baddbmm_(dA.transpose(1, 2), gc)
+        both = torch.add(dA, dA.transpose(1, 2), out=self.ws.take("dA2", *A.shape))
+        dg = torch.bmm(both, gc, out=self.ws.take("dg", *gc.shape))
         dg.baddbmm_(doc, prefix.view(-1, self.F, self.D + 1).transpose(1, 2))
         dg.baddbmm_(vc, later.view(-1, self.F, self.D + 1).transpose(1, 2))
         dv = torch.bmm(A.transpose(1, 2), doc, out=self.ws.take("dv", *vc.shape))
