@@ -18,6 +18,7 @@ entmax_pkg = pytest.importorskip("entmax")
 from mosaics import MosaicsForCausalLM  # noqa: E402
 from mosaics.kernels import available_kernels, get_kernel  # noqa: E402
 from mosaics.kernels.normalizers import entmax, entmax15, sparsemax  # noqa: E402
+from mosaics.kernels.score_kernel import retrieve  # noqa: E402
 
 # (registered name, kernel_kwargs) pairs covering every kernel and its options
 CASES = [
@@ -317,6 +318,30 @@ def test_backward_saves_no_quadratic_tensor():
             out = kernel(keys, values, beta)
         assert max(saved) < T * T, name
         out.sum().backward()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_retrieval_with_empty_memory_or_blind_rows(name):
+    """retrieve() with no memory entry at all, and with a negative offset (the first query
+    sees nothing): zeros there, finite gradients, the masked weights elsewhere."""
+    kernel = get_kernel(name)
+    beta = torch.tensor([1.5, 9.0], dtype=torch.float64, requires_grad=True)
+    q = unit_keys(1, 2, 4, 3, dtype=torch.float64, seed=13).requires_grad_()
+    empty = q.new_zeros(1, 2, 0, 3).requires_grad_()
+    y = retrieve(kernel, q, empty, empty, beta, -4)
+    assert torch.equal(y, torch.zeros_like(y))
+    y.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q))
+    k = unit_keys(1, 2, 3, 3, dtype=torch.float64, seed=14).requires_grad_()
+    v = values_like(k).requires_grad_()
+    y = retrieve(kernel, q, k, v, beta, -1)  # query i sees j <= i - 1
+    mask = torch.ones(4, 3, dtype=torch.bool).tril(-1)
+    want = kernel.weights((q @ k.transpose(-1, -2)).detach(), beta.detach().view(1, 2, 1, 1),
+                          mask) @ v.detach()
+    torch.testing.assert_close(y.detach(), want)
+    assert torch.equal(y[:, :, 0], torch.zeros_like(y[:, :, 0]))
+    y.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v, beta))
 
 
 # ----------------------------------------------------------------------------- decoding

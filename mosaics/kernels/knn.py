@@ -137,9 +137,9 @@ class _TopKRetrieval(torch.autograd.Function):
                 s = tiles.scores(q, lo, hi, width)
                 kk = min(top, s.shape[-1])
                 cos[:, lo:hi, :kk], idx[:, lo:hi, :kk] = top_k_blocks(s, kk)
-            rows = _flat_index(idx.clamp_(max=max(S - 1, 0)), S).view(-1, top)  # unused: p = 0
-            p = kernel.top_weights(cos, _head_rows(beta.detach().to(wd), B))
-            out = (_weighted_rows(v.reshape(-1, hv), rows, p.view(-1, top)) if S > 0
+            rows = _flat_index(idx.clamp_(max=max(S - 1, 0)), S).view(B * H * n, top)  # p = 0
+            p = kernel.top_weights(cos, _head_rows(beta.detach().to(wd), B)) if top else cos
+            out = (_weighted_rows(v.reshape(-1, hv), rows, p.view(B * H * n, top)) if S > 0
                    else q.new_zeros(B * H * n, hv))
         ctx.kernel, ctx.rows = kernel, (cos, rows, p)
         ctx.save_for_backward(queries, keys, values, beta)
@@ -159,7 +159,7 @@ class _TopKRetrieval(torch.autograd.Function):
                        for x in (queries, keys, values))
             g = grad_out.to(wd).reshape(B * H * n, hv)
             top = rows.shape[-1]
-            p, cos = p.view(-1, top), cos.view(-1, top)
+            p, cos = p.view(B * H * n, top), cos.view(B * H * n, top)
             dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
             dbeta = q.new_zeros(B * H * n)
             bb = beta.to(wd).repeat(B).repeat_interleave(n).view(-1, 1)  # per flat row
