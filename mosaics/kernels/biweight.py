@@ -12,7 +12,7 @@ from .entmax_kernel import EntmaxKernel
 
 @register_kernel("biweight")
 class BiweightKernel(EntmaxKernel):
-    """1.5-entmax over the strict past (exact sort-based solver)."""
+    """1.5-entmax over the strict past (Newton on the threshold, converged to rounding)."""
 
     def __init__(self) -> None:
         super().__init__(alpha=1.5)

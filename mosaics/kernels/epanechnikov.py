@@ -13,7 +13,8 @@ from .entmax_kernel import EntmaxKernel
 
 @register_kernel("epanechnikov")
 class EpanechnikovKernel(EntmaxKernel):
-    """sparsemax over the strict past (exact sort-based solver)."""
+    """sparsemax over the strict past (exact: Newton from a lower bound stops on the sort-based
+    threshold)."""
 
     def __init__(self) -> None:
         super().__init__(alpha=2.0)

@@ -11,8 +11,13 @@ retrieval y = W V for training and decoding, with
   backward and each chunk's weights are recomputed there, so no T x T matrix is ever alive
   (peak extra memory ~ a few chunk x T fp32 blocks);
 - a hand-written backward: dV = W^T dY, dW = dY V^T, then the kernel's own weight backward
-  (no autograd through sorting or iterative solvers), then
+  (no autograd through iterative solvers), then
   dQ = beta dS K, dK = beta dS^T Q, dbeta = sum(dS * cos) for scores S = beta * cos.
+
+That generic path serves kernels written against the two methods above. Kernels of the form
+[a (c - m) - shift]_+^r / sum (the entmax family, relumax, the fixed-bandwidth ReLU) subclass
+:class:`PowerKernel` instead, whose tiled retrieval fuses the weights, their backward and the
+GEMMs per tile of query rows (:class:`_PowerRetrieval`).
 """
 
 from __future__ import annotations
@@ -367,6 +372,10 @@ class _PowerRetrieval(torch.autograd.Function):
     Backward per tile: the same scores and u, then dV^T += (dY / N)^T u^r, dP = dY V^T,
     dZ = h (dP - c) in place (h = u^(r-1)), dQ = beta kappa dZ K, dK^T += (beta kappa Q)^T dZ
     and dbeta from dQ's rows: five GEMMs and a few in-place passes over the tile.
+
+    The elementwise passes stay eager: on a (4, 64, 4096) tile, subtract, scale, shift, clamp,
+    square and row sum take 0.33 ms in place; ``torch.compile`` of the same chain ran in
+    0.38 ms after a 39 s first compile (one CPU thread, measured here), so it is not used.
     """
 
     @staticmethod
