@@ -293,11 +293,10 @@ class _Tiles:
         self.bh, self.n, self.S, self.offset = q.shape[0], q.shape[1], k.shape[1], offset
         self.rows = _tile_rows(kernel, self.bh, self.n, self.S)
         self.k, self.v = _pad_rows(k, BLOCK), _pad_rows(v, BLOCK)
-        width = _round_up(max(1, min(self.S, self.n + offset)), BLOCK)  # the widest tile
+        self.width = _round_up(max(1, min(self.S, self.n + offset)), BLOCK)  # the widest tile
         rows = min(self.rows, self.n)
-        self.buffers = [q.new_empty(self.bh * rows * width) for _ in range(n_buffers)]
-        d = max(k.shape[-1], v.shape[-1])
-        self.small = q.new_empty(self.bh * d * max(rows, width))
+        self.buffers = [q.new_empty(self.bh * rows * self.width) for _ in range(n_buffers)]
+        self.small = q.new_empty(0)  # forward: rows x hv; backward: head size x widest tile
         self.masks: dict[tuple[int, int, int, int], Tensor] = {}
 
     def __iter__(self):
@@ -308,10 +307,13 @@ class _Tiles:
         wp = _round_up(width, BLOCK)
         return self.buffers[i][:self.bh * rows * wp].view(self.bh, rows, wp)
 
-    def narrow(self, rows: int, cols: int) -> Tensor:
-        """The small buffer as a contiguous (B H, rows, cols) tensor, rows or cols at most the
-        head size."""
-        return self.small[:self.bh * rows * cols].view(self.bh, rows, cols)
+    def narrow(self, rows: int, cols: int, capacity: int) -> Tensor:
+        """The small buffer as a contiguous (B H, rows, cols) tensor; allocated for ``capacity``
+        numbers per batch entry the first time it is too small."""
+        size = self.bh * rows * cols
+        if self.small.numel() < size:
+            self.small = self.small.new_empty(self.bh * max(capacity, rows * cols))
+        return self.small[:size].view(self.bh, rows, cols)
 
     def scores(self, q: Tensor, a: int, b: int, width: int) -> Tensor:
         """Cosines of query rows a..b-1 with keys 0..width-1 in buffer 0, -inf where a row may
@@ -336,12 +338,15 @@ class _Tiles:
 
     def weighted_values(self, p: Tensor, scale: Tensor, out: Tensor) -> None:
         """out = (p V) / scale for a tile of weights p (B H, rows, width)."""
-        tmp = torch.bmm(p, self.v[:, :p.shape[-1]], out=self.narrow(p.shape[1], self.v.shape[-1]))
+        hv = self.v.shape[-1]
+        tmp = torch.bmm(p, self.v[:, :p.shape[-1]],
+                        out=self.narrow(p.shape[1], hv, min(self.rows, self.n) * hv))
         torch.div(tmp, scale, out=out)
 
     def add_outer(self, acc_t: Tensor, rows_t: Tensor, p: Tensor) -> None:
         """acc_t[..., :width] += rows_t p: (B H, d, S) += (B H, d, rows) (B H, rows, width)."""
-        tmp = torch.bmm(rows_t, p, out=self.narrow(rows_t.shape[1], p.shape[-1]))
+        d = max(self.k.shape[-1], self.v.shape[-1])
+        tmp = torch.bmm(rows_t, p, out=self.narrow(rows_t.shape[1], p.shape[-1], d * self.width))
         acc_t[..., :p.shape[-1]].add_(tmp)
 
 
