@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..errors import DataError
 from ..training.build import causal_lm
 from ..training.config import TrainConfig
 from ..training.trainer import (
@@ -125,7 +126,7 @@ class EpochBatches:
 
     def load_state_dict(self, state: dict) -> None:
         if state != self.state_dict():
-            raise ValueError(f"the checkpoint's batches ({state}) differ from this run's "
+            raise DataError(f"the checkpoint's batches ({state}) differ from this run's "
                              f"({self.state_dict()}); resume with the same data settings")
 
 

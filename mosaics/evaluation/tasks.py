@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..errors import DataError
+
 
 @dataclass(frozen=True)
 class TaskSpec:
@@ -146,7 +148,7 @@ class RandomTaskBatches:
 
     def load_state_dict(self, state: dict) -> None:
         if state != self.state_dict():
-            raise ValueError(f"the checkpoint's batches ({state}) differ from this run's "
+            raise DataError(f"the checkpoint's batches ({state}) differ from this run's "
                              f"({self.state_dict()}); resume with the same task settings")
 
 
