@@ -6,12 +6,18 @@ triweight (4/3-entmax). The support adapts per query: p_ts = [(alpha-1) s_ts - t
 
 Options (``kernel_kwargs``): ``alpha`` (default 1.5) or ``r`` (alpha = 1 + 1/r), not both;
 ``n_iter`` (default 50) caps the Newton (alpha > 2: bisection) iterations of the threshold.
+
+On CUDA, with the ``adasplash`` package installed (``pip install -e ".[gpu]"``), the training
+forward runs through its fused Triton kernels instead (:mod:`.adasplash_backend`, alpha in
+(1, 2]); ``MOSAICS_ADASPLASH=0`` or ``use_adasplash = False`` on a kernel keeps the chunked
+path, which is the reference and serves CPU, decoding and every other case.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
+from . import adasplash_backend
 from .base import register_kernel
 from .entmax_rows import SORTED_ROW_SOLVERS
 from .normalizers import check_alpha, entmax_backward, entmax_exponent, entmax_tau
@@ -24,6 +30,7 @@ class EntmaxKernel(PowerKernel):
     (alpha - 1), tau from :func:`~.normalizers.entmax_tau` (Newton from a block lower bound)."""
 
     entmax_gradient = True
+    use_adasplash = True  # False: keep the chunked path on CUDA too
 
     def __init__(self, alpha: float | None = None, r: float | None = None,
                  n_iter: int = 50) -> None:
@@ -39,6 +46,13 @@ class EntmaxKernel(PowerKernel):
         self.n_iter = check_positive_int(self.name, "n_iter", n_iter)
         self.power = entmax_exponent(self.alpha)
         self.score_scale = self.alpha - 1.0
+
+    def forward(self, keys: Tensor, values: Tensor, beta: Tensor) -> Tensor:
+        """Strict-past retrieval (see :meth:`~.base.Kernel.forward`): adasplash's fused kernels
+        when :func:`~.adasplash_backend.skip_reason` allows, else the chunked path."""
+        if adasplash_backend.skip_reason(self, keys, values) is None:
+            return adasplash_backend.retrieval(keys, values, beta, self.alpha)
+        return super().forward(keys, values, beta)
 
     def row_shift(self, x: Tensor, bmax: Tensor | None,
                   buffers: tuple[Tensor, Tensor] | None) -> Tensor:
