@@ -1,6 +1,7 @@
-"""CUDA: every kernel against its CPU reference, bf16 training, cached generation, the chunked
-loss under autocast, DeepSpeed on one GPU. Skipped without a GPU (``pytest -m cuda`` selects
-these; ``bench/gpu_check.py`` runs them first)."""
+"""CUDA: every kernel against its CPU reference, adasplash's fused alpha-entmax kernels against
+the chunked path, bf16 training, cached generation, the chunked loss under autocast, DeepSpeed
+on one GPU. Skipped without a GPU (``pytest -m cuda`` selects these; ``bench/gpu_check.py``
+runs them first)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from mosaics import MosaicsConfig, MosaicsForCausalLM, available_kernels, get_kernel
+from mosaics.kernels import adasplash_backend
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -49,6 +51,39 @@ def test_kernel_on_cuda_matches_cpu(name: str) -> None:
     for cuda_grad, cpu_grad in zip(grads[1], grads[0]):
         torch.testing.assert_close(cuda_grad, cpu_grad, rtol=1e-3, atol=1e-3)
     assert torch.all(outs[1][:, :, 0] == 0)  # row 0 has no memory
+
+
+ENTMAX_KERNELS = ["epanechnikov", "biweight", "triweight", "entmax"]
+needs_adasplash = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("adasplash", "triton")),
+    reason="needs adasplash and triton (pip install -e '.[gpu]')")
+
+
+@needs_adasplash
+@pytest.mark.parametrize("name", ENTMAX_KERNELS)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("T", [65, 200])
+def test_adasplash_matches_chunked_path(name: str, precision: str, T: int) -> None:
+    """Same retrieval and gradients (keys, values, beta) through adasplash and the chunked
+    path; bf16: values in bf16 under autocast, as a bf16 linear layer hands them over."""
+    keys, values, beta = (x.cuda() for x in _kernel_io(T=T, H=4, hs=64, seed=1))
+    if precision == "bf16":
+        values = values.bfloat16()
+    probe = torch.randn(values.shape, device="cuda")
+    kernel = get_kernel(name)
+    assert adasplash_backend.skip_reason(kernel, keys, values) is None
+    results = []
+    for fused in (True, False):
+        kernel.use_adasplash = fused
+        k, v, b = (x.detach().clone().requires_grad_() for x in (keys, values, beta))
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            out = kernel(k, v, b)
+        assert out.dtype == values.dtype and torch.all(out[:, :, 0] == 0)
+        (out.float() * probe).sum().backward()
+        results.append((out.detach().float(), k.grad, v.grad.float(), b.grad))
+    tol = 2e-2 if precision == "bf16" else 1e-3
+    for fused_x, chunked_x in zip(*results):
+        torch.testing.assert_close(fused_x, chunked_x, rtol=tol, atol=tol)
 
 
 def _tiny(kernel: str = "gaussian") -> MosaicsForCausalLM:
