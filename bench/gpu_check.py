@@ -11,7 +11,9 @@ Sections (each with its own time limit; a failing section is recorded and the re
    124M shape (12 layers, d 768, 12 heads, vocabulary 50304), bf16 autocast, T 512 and 2048,
    with peak memory; the two models alternate step by step.
 3. ``kernels``: contextual-memory forward + backward time of every kernel against ``gaussian``
-   at T 1k, 4k, 16k (B 1, H 12, head size 64), with peak memory.
+   at T 1k, 4k, 16k (B 1, H 12, head size 64), with peak memory. The alpha-entmax kernels
+   also say which backend ran (``adasplash`` or ``chunked``, and why); with adasplash in use
+   the chunked path is timed as well and the two outputs compared.
 4. ``deepspeed``: ``train.py`` under DeepSpeed ZeRO-2 on one GPU for a few steps with a
    checkpoint, then resumed from it; the resumed losses must equal the uninterrupted ones.
 
@@ -133,8 +135,51 @@ def throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 # --- 3. kernels ----------------------------------------------------------------------------
 
+def time_kernel(kernel: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor,
+                beta: torch.Tensor, args: argparse.Namespace) -> tuple[float, float | None]:
+    """(median forward + backward ms, peak MB) of one kernel on (keys, values, beta)."""
+    times = []
+    for i in range(args.kernel_warmup + args.kernel_repeats):
+        k = keys.detach().requires_grad_()
+        v = values.detach().requires_grad_()
+        reset_peak(args.device)
+        sync(args.device)
+        t0 = time.perf_counter()
+        out = kernel(k, v, beta)
+        out.float().square().sum().backward()
+        sync(args.device)
+        if i >= args.kernel_warmup:
+            times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times), peak_mb(args.device)
+
+
+def entmax_backends(kernel: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor,
+                    beta: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
+    """For an alpha-entmax kernel: which backend its forward takes (adasplash or the chunked
+    path, and why not adasplash); with adasplash in use, the chunked path's time and peak
+    memory too, and the largest output difference between the two."""
+    from mosaics.kernels import adasplash_backend
+
+    reason = adasplash_backend.skip_reason(kernel, keys, values)
+    row: dict[str, Any] = {"backend": "chunked" if reason else "adasplash"}
+    if reason:
+        row["backend_note"] = reason
+        return row
+    kernel.use_adasplash = False
+    try:
+        row["chunked_ms"], row["chunked_peak_mb"] = time_kernel(kernel, keys, values, beta, args)
+        with torch.no_grad():
+            chunked = kernel(keys, values, beta).float()
+            kernel.use_adasplash = True
+            row["max_abs_diff"] = (kernel(keys, values, beta).float() - chunked).abs().max().item()
+    finally:
+        kernel.use_adasplash = True
+    return row
+
+
 def kernel_speed(args: argparse.Namespace) -> list[dict[str, Any]]:
     from mosaics import available_kernels, get_kernel
+    from mosaics.kernels import EntmaxKernel
 
     H, hs = args.kernel_heads, args.kernel_head_size
     rows = []
@@ -151,36 +196,33 @@ def kernel_speed(args: argparse.Namespace) -> list[dict[str, Any]]:
                 kernel = get_kernel(name)
                 kernel.build(H, hs)
                 kernel.to(args.device)
-                times = []
-                for i in range(args.kernel_warmup + args.kernel_repeats):
-                    k = keys.detach().requires_grad_()
-                    v = values.detach().requires_grad_()
-                    reset_peak(args.device)
-                    sync(args.device)
-                    t0 = time.perf_counter()
-                    out = kernel(k, v, beta)
-                    out.float().square().sum().backward()
-                    sync(args.device)
-                    if i >= args.kernel_warmup:
-                        times.append(time.perf_counter() - t0)
-                row["ms"] = 1e3 * statistics.median(times)
-                row["peak_mb"] = peak_mb(args.device)
+                if isinstance(kernel, EntmaxKernel):
+                    row.update(entmax_backends(kernel, keys, values, beta, args))
+                row["ms"], row["peak_mb"] = time_kernel(kernel, keys, values, beta, args)
                 if name == "gaussian":
                     base = row["ms"]
                 row["vs_gaussian"] = row["ms"] / base if base else None
+                if "chunked_ms" in row:
+                    row["adasplash_vs_chunked"] = row["ms"] / row["chunked_ms"]
             except Exception as err:  # out of memory at 16k, a kernel without a CUDA path...
                 row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
                 if args.device.startswith("cuda"):
                     torch.cuda.empty_cache()
             rows.append(row)
-    print(f"{'T':>6} {'kernel':>20} {'fwd+bwd ms':>11} {'vs gaussian':>12} {'peak MB':>9}")
+    print(f"{'T':>6} {'kernel':>20} {'fwd+bwd ms':>11} {'vs gaussian':>12} {'peak MB':>9}  backend")
     for r in rows:
         if "error" in r:
             print(f"{r['T']:>6} {r['kernel']:>20}  {r['error']}")
             continue
         peak = f"{r['peak_mb']:.0f}" if r["peak_mb"] is not None else "-"
+        backend = r.get("backend", "")
+        if "chunked_ms" in r:
+            backend += (f" (chunked {r['chunked_ms']:.2f} ms, {r['adasplash_vs_chunked']:.2f}x;"
+                        f" max |diff| {r['max_abs_diff']:.1e})")
+        elif "backend_note" in r:
+            backend += f" ({r['backend_note']})"
         print(f"{r['T']:>6} {r['kernel']:>20} {r['ms']:>11.2f} {r['vs_gaussian']:>12.2f} "
-              f"{peak:>9}")
+              f"{peak:>9}  {backend}")
     return rows
 
 
