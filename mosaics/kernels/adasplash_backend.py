@@ -20,7 +20,10 @@ q_i . k_j / sqrt(D). :func:`retrieval` turns one into the other:
 - shapes: the head sizes are zero-padded to the smallest D in :data:`HEAD_DIMS` that holds
   both (zero columns change no dot product) and the length n = T - 1 to the next power of
   two, at least :data:`MIN_LENGTH`. Padded rows come after every real row, so the causal
-  mask keeps them out of the real rows, and they receive no output gradient.
+  mask keeps them out of the real rows, and they receive no output gradient. Training
+  lengths T = 2^k give n = 2^k - 1: one padded row; a length just above a power of two
+  costs up to twice the work (adasplash's ``varlen`` argument would avoid that, unused here
+  so that only its plain power-of-two path runs).
 
 The function that does the attention lives in a slot (:data:`BACKEND`, :func:`use_backend`):
 None means :func:`sparse_attention`, adasplash's kernels; tests install a pure-PyTorch
