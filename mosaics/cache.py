@@ -36,6 +36,8 @@ class MosaicsCache:
         self.layers: list[dict[str, Any]] = [{"context": {}, "persistent": {}}
                                              for _ in range(n_layer)]
         self.seen_tokens = 0
+        # document in progress (``document_masking``): (B,) tensors, see MosaicsModel.positions
+        self.documents: dict[str, Tensor] = {}
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -46,13 +48,19 @@ class MosaicsCache:
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Select batch rows (beam search)."""
-        for i, layer in enumerate(self.layers):
-            self.layers[i] = _map_tensors(layer, lambda t: t.index_select(0, beam_idx.to(t.device)))
+        def select(t: Tensor) -> Tensor:
+            return t.index_select(0, beam_idx.to(t.device))
+
+        self.layers = [_map_tensors(layer, select) for layer in self.layers]
+        self.documents = _map_tensors(self.documents, select)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each batch row (expanding a prompt cache to several samples or beams)."""
-        for i, layer in enumerate(self.layers):
-            self.layers[i] = _map_tensors(layer, lambda t: t.repeat_interleave(repeats, dim=0))
+        def repeat(t: Tensor) -> Tensor:
+            return t.repeat_interleave(repeats, dim=0)
+
+        self.layers = [_map_tensors(layer, repeat) for layer in self.layers]
+        self.documents = _map_tensors(self.documents, repeat)
 
     def batch_select_indices(self, indices: Tensor) -> None:
         self.reorder_cache(indices)

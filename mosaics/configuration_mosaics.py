@@ -41,6 +41,21 @@ class MosaicsConfig(PretrainedConfig):
             (v2: W2 (SiLU(W1 x) * W3 x)).
         swiglu_hidden: hidden width of the SwiGLU persistent memory; ``None`` gives 3 d, the
             9 d^2 weights of the v1 persistent memory with its c_proj.
+        adaptive_bandwidth: v2 bandwidth per query, beta = beta1 n^alpha + beta0 per head, n
+            the number of memory entries the query sees (replaces the fixed beta_h).
+        three_level_memory: v2 contextual memory split into a short-term memory over the last
+            ``short_term_window`` - 1 keys and a long-term memory over the keys at least
+            ``long_term_gap`` positions back, each with its own parameters, outputs summed
+            (= concatenated and projected).
+        short_term_window: h; the short-term memory at t holds keys t - h + 1 .. t - 1.
+        long_term_gap: m at inference; the long-term memory at t holds keys 0 .. t - m.
+        long_term_gap_range: ``[low, high]``: during training m is drawn uniformly from it
+            for each batch (v2: [64, 256]); ``None`` trains with ``long_term_gap``.
+        document_masking: restart the leaky averages and hide the memories of earlier
+            documents at document boundaries: a new document starts after each
+            ``document_separator_id`` token (or where the ``document_ids`` passed to forward
+            change), so packed windows do not mix stories.
+        document_separator_id: token that ends a document; ``None``: ``eos_token_id``.
     """
 
     model_type = "mosaics"
@@ -70,6 +85,13 @@ class MosaicsConfig(PretrainedConfig):
         gated_keys: bool = False,
         persistent_memory: str = "banks",
         swiglu_hidden: int | None = None,
+        adaptive_bandwidth: bool = False,
+        three_level_memory: bool = False,
+        short_term_window: int = 256,
+        long_term_gap: int = 64,
+        long_term_gap_range: list[int] | tuple[int, int] | None = (64, 256),
+        document_masking: bool = False,
+        document_separator_id: int | None = None,
         initializer_seed: int = 0,
         tie_word_embeddings: bool = True,
         use_cache: bool = True,
@@ -95,6 +117,14 @@ class MosaicsConfig(PretrainedConfig):
         self.gated_keys = bool(gated_keys)
         self.persistent_memory = persistent_memory
         self.swiglu_hidden = swiglu_hidden if swiglu_hidden is not None else 3 * n_embd
+        self.adaptive_bandwidth = bool(adaptive_bandwidth)
+        self.three_level_memory = bool(three_level_memory)
+        self.short_term_window = short_term_window
+        self.long_term_gap = long_term_gap
+        self.long_term_gap_range = (None if long_term_gap_range is None
+                                    else [int(m) for m in long_term_gap_range])
+        self.document_masking = bool(document_masking)
+        self.document_separator_id = document_separator_id
         self.initializer_seed = initializer_seed
         self.use_cache = use_cache
         self.tie_word_embeddings = tie_word_embeddings
@@ -130,8 +160,45 @@ class MosaicsConfig(PretrainedConfig):
             value = getattr(self, name)
             if not 0.0 <= float(value) < 1.0:
                 raise ValueError(f"MosaicsConfig.{name} must be in [0, 1), got {value!r}.")
+        self.validate_memory_levels()
         if not isinstance(self.kernel, str):
             raise ValueError(f"MosaicsConfig.kernel must be a kernel name, got {self.kernel!r}.")
+
+
+    def validate_memory_levels(self) -> None:
+        for name, low in (("short_term_window", 2), ("long_term_gap", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"MosaicsConfig.{name} must be an integer >= {low}, got "
+                                 f"{value!r}.")
+        rng = self.long_term_gap_range
+        if rng is not None and (len(rng) != 2 or not 1 <= rng[0] <= rng[1]):
+            raise ValueError("MosaicsConfig.long_term_gap_range must be [low, high] with "
+                             f"1 <= low <= high, or None; got {rng!r}.")
+
+    @property
+    def separator_id(self) -> int | None:
+        """The token that ends a document under ``document_masking``."""
+        sep = self.document_separator_id
+        return self.eos_token_id if sep is None else sep
+
+    @property
+    def uses_visibility(self) -> bool:
+        """Whether a contextual memory needs per-query visible intervals (any v2 memory
+        option other than gated keys), served by ``Kernel.attend``."""
+        return self.adaptive_bandwidth or self.three_level_memory or self.document_masking
+
+    @classmethod
+    def v2(cls, **kwargs: Any) -> MosaicsConfig:
+        """The Memory Mosaics v2 block ("Memory Mosaics at scale"): gated keys, adaptive
+        bandwidth, three-level memory (h = 256, m ~ U[64, 256] in training, 64 at
+        inference), a SwiGLU persistent memory and document-aware training. ``kwargs``
+        override any field (sizes, kernel, ...)."""
+        preset: dict[str, Any] = dict(gated_keys=True, adaptive_bandwidth=True,
+                                      three_level_memory=True, short_term_window=256,
+                                      long_term_gap=64, long_term_gap_range=(64, 256),
+                                      persistent_memory="swiglu", document_masking=True)
+        return cls(**{**preset, **kwargs})
 
 
 def _nearest_divisor(n: int, k: int) -> int:

@@ -29,11 +29,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .configuration_mosaics import MosaicsConfig
+from .gated_leaky import gated_leaky_average
 from .kernels import Kernel, get_kernel
+from .kernels.base import append_along_time
 from .leaky import continue_leaky_sum, decay_rate, leaky_average
-from .memory_v2 import GatedKeys
+from .memory_v2 import AdaptiveBandwidth, GatedKeys, Positions, visible_interval
 from .unit_norm import unit_vectors
 
+LEVELS = ("all", "short", "long")
 EXP_SCALE = 10.0  # per-head scalars are stored divided by this (the reference's exp_param_scale)
 BETA_LOG_CAP = 5.0  # beta = exp(2 * min(10 b, 5)) <= e^10
 NORM_EPS = 1e-6
@@ -98,10 +101,18 @@ def orthogonal_value_matrix(d: int, seed: int) -> Tensor:
 class ContextualMemory(nn.Module):
     """In-context associative memory with a pluggable retrieval kernel."""
 
-    def __init__(self, config: MosaicsConfig, layer_idx: int = 0) -> None:
+    def __init__(self, config: MosaicsConfig, layer_idx: int = 0, level: str = "all") -> None:
         super().__init__()
         d, H = config.n_embd, config.n_head
         self.n_head, self.chunk = H, config.leaky_chunk_size
+        if level not in LEVELS:
+            raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+        # which memory entries a query sees: all of the past, the last h - 1 keys (short) or
+        # the keys at least m back (long); see ``visible_interval``
+        self.level = level
+        self.window = config.short_term_window if level == "short" else None
+        self.general = config.uses_visibility  # per-query intervals through Kernel.attend
+        self.adaptive = AdaptiveBandwidth(H) if config.adaptive_bandwidth else None
         self.k_proj = nn.Linear(d, d, bias=False) if config.key_projection else None
         if config.fixed_value_projection:
             self.v_proj = None
@@ -115,7 +126,8 @@ class ContextualMemory(nn.Module):
         if self.gated is not None:
             del self.leaky_p
             self.register_parameter("leaky_p", None)
-        self.bandwidth_b = nn.Parameter(torch.empty(H))  # beta = exp(2 min(10 b, 5))
+        # beta = exp(2 min(10 b, 5)); v2's adaptive bandwidth replaces it
+        self.bandwidth_b = nn.Parameter(torch.empty(H)) if self.adaptive is None else None
         self.lookahead_c = nn.Parameter(torch.empty(H))  # value mix of x_t and x_{t+1}
         self.value_q = nn.Parameter(torch.empty(H))  # value scale exp(10 q)
         self.kernel: Kernel = get_kernel(config.kernel, **config.kernel_kwargs)
@@ -128,17 +140,27 @@ class ContextualMemory(nn.Module):
     @torch.no_grad()
     def reset_scalars(self) -> None:
         leaky_p = self.leaky_p if self.leaky_p is not None else torch.empty(self.n_head)
-        init_head_scalars(leaky_p, self.bandwidth_b, self.value_q)
+        b = self.bandwidth_b if self.bandwidth_b is not None else torch.empty(self.n_head)
+        init_head_scalars(leaky_p, b, self.value_q)
         self.lookahead_c.uniform_(0.0, 1.0)
         if self.gated is not None:
             self.gated.reset_parameters()
+        if self.adaptive is not None:
+            self.adaptive.reset_parameters()
 
-    def keys(self, x: Tensor, k_raw: Tensor,
-             state: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def keys(self, x: Tensor, k_raw: Tensor, state: Tensor | None = None,
+             documents: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Unit keys (B, H, T, hs), the un-normalised averages and the last one (B, H, hs),
-        from inputs x (B, T, d) and key features k_raw, continuing ``state``."""
+        from inputs x (B, T, d) and key features k_raw, continuing ``state``; with
+        ``documents`` (B, T) ids the averages restart where the id changes."""
         if self.gated is not None:
-            kbar, last = self.gated.averages(x, k_raw, state)
+            kbar, last = self.gated.averages(x, k_raw, state, documents)
+        elif documents is not None:
+            a = decay_rate(self.leaky_p, EXP_SCALE).to(k_raw.dtype)
+            B, H, T, _ = k_raw.shape
+            kbar, last = gated_leaky_average(k_raw, k_raw.new_ones(B, H, T),
+                                             a.view(1, H, 1).expand(B, H, T), self.chunk,
+                                             state, documents)
         elif state is None:
             kbar = leaky_average(k_raw, decay_rate(self.leaky_p, EXP_SCALE), None, self.chunk)
             last = kbar[:, :, -1].clone()
@@ -173,10 +195,12 @@ class ContextualMemory(nn.Module):
         if self.leaky_p is not None:
             a = decay_rate(self.leaky_p, EXP_SCALE)
         else:  # gated keys: the decay comes from each token (see ``keys``)
-            a = torch.zeros_like(self.bandwidth_b)
+            a = torch.zeros_like(self.value_q)
+        # adaptive bandwidth: beta is computed per query (``forward_intervals``)
+        beta = (bandwidth(self.bandwidth_b) if self.bandwidth_b is not None
+                else torch.ones_like(self.value_q))
         return ContextualWeights(kv=self.stacked_projection(), log_decay=a,
-                                 decay=torch.exp(-a).view(-1, 1),
-                                 beta=bandwidth(self.bandwidth_b),
+                                 decay=torch.exp(-a).view(-1, 1), beta=beta,
                                  mix=self.lookahead_c.view(1, -1, 1, 1),
                                  out=self.c_proj.weight * self.value_scale())
 
@@ -201,9 +225,13 @@ class ContextualMemory(nn.Module):
         hs = self.c_proj.weight.shape[1] // self.n_head
         return torch.exp(self.value_q * EXP_SCALE).repeat_interleave(hs)
 
-    def forward(self, x: Tensor, state: dict | None = None) -> tuple[Tensor, dict | None]:
+    def forward(self, x: Tensor, state: dict | None = None,
+                pos: Positions | None = None) -> tuple[Tensor, dict | None]:
         """x: (B, T, d). ``state``: this layer's decoding state; ``None`` for training, ``{}``
-        to start one (prefill), else it is continued (see :meth:`extend`)."""
+        to start one (prefill), else it is continued (see :meth:`extend`). ``pos``: where
+        the tokens sit (documents, long-term gap), used by the v2 memory options."""
+        if self.general:
+            return self.forward_intervals(x, state, pos)
         if state:
             if x.shape[1] == 1 and not (torch.is_grad_enabled() or self.training):
                 return self._step(x, state)
@@ -265,8 +293,83 @@ class ContextualMemory(nn.Module):
                      "kernel": kstate, "weights": w}
         return (self.resid_dropout(y) if self.training else y), new_state
 
+    def gap(self, pos: Positions | None) -> int:
+        """Newest visible entry is p - gap: 1 (strict past) except for the long-term memory."""
+        return pos.gap if self.level == "long" and pos is not None else 1
+
+    def forward_intervals(self, x: Tensor, state: dict | None,
+                          pos: Positions | None) -> tuple[Tensor, dict | None]:
+        """Training, prefill and decoding when queries see per-query intervals of the memory
+        (windows, gaps, documents) or carry their own bandwidth: every query goes through
+        ``Kernel.attend``.
+
+        The memory holds (k_s, v_s) at absolute positions base .. base + len - 1; the query at
+        p sees lo <= s <= hi (``visible_interval``). Decoding appends to buffers that grow in
+        place; the short-term memory drops the entries no later query can see once they fill
+        half of its buffer, so it keeps at most 2 (h - 1) + n entries.
+        """
+        B, n, _ = x.shape
+        w: ContextualWeights | None = state.get("weights") if state else None
+        k_raw, v_raw = self.project(x, None if w is None else w.kv)
+        docs = None if pos is None else pos.documents
+        prev = None if not state else state["kbar"]
+        if prev is not None and pos is not None and pos.restart is not None:
+            prev = prev * (~pos.restart).to(prev.dtype).view(B, 1, 1)  # a new document
+        if prev is not None and docs is None and self.gated is None:
+            a = decay_rate(self.leaky_p, EXP_SCALE)
+            kbar, last = continue_leaky_sum(prev.clone(), k_raw, a, torch.exp(-a).view(-1, 1),
+                                            self.chunk)
+            keys = unit_vectors(kbar, NORM_EPS)
+        else:
+            keys, kbar, last = self.keys(x, k_raw, prev, docs)
+        if not state:  # training or prefill: entries 0 .. n - 1, v~_n := 0
+            values = self.finish_values(F.pad(v_raw, (0, 0, 0, 1)))
+            mem_keys, mem_values, base = keys, values, 0
+        else:  # x_t finishes v_{t-1}: entries p0 - 1 .. p0 + n - 2 join the memory
+            pending = torch.cat([state["v_raw"], v_raw], dim=2)
+            mix = self.lookahead_c.view(1, -1, 1, 1).to(v_raw.dtype)
+            new_values = unit_vectors(torch.lerp(pending[:, :, 1:], pending[:, :, :-1], mix),
+                                      NORM_EPS)
+            new_keys = torch.cat([state["key"], keys[:, :, :-1]], dim=2)
+            mem_keys = append_along_time(state["mem_keys"], new_keys)
+            mem_values = append_along_time(state["mem_values"], new_values)
+            base = state["base"]
+        lo, hi = visible_interval(n, pos, self.window, self.gap(pos), x.device)
+        if self.adaptive is not None:
+            beta = self.adaptive((hi - lo + 1).clamp(min=0))  # (B or 1, H, n)
+        else:
+            beta = bandwidth(self.bandwidth_b)
+        y = self.kernel.attend(keys, mem_keys, mem_values, beta, (lo - base).clamp(min=0),
+                               hi - base)
+        y = self.resid_dropout(self.output(y))
+        if state is None:
+            return y, None
+        if not state:  # prefill: v_{n-1} waits for x_n
+            mem_keys, mem_values = mem_keys[:, :, :-1], mem_values[:, :, :-1]
+            w = self.decode_weights()
+        start = n + (0 if pos is None else pos.start)  # absolute position of the next token
+        mem_keys, mem_values, base = self._trim(mem_keys, mem_values, base, start)
+        return y, {"kbar": last, "key": keys[:, :, -1:], "v_raw": v_raw[:, :, -1:],
+                   "mem_keys": mem_keys, "mem_values": mem_values, "base": base, "weights": w}
+
+    def _trim(self, keys: Tensor, values: Tensor, base: int,
+              next_pos: int) -> tuple[Tensor, Tensor, int]:
+        """Short-term memory: drop the entries older than the next query's window (the query at
+        p sees s >= p - h + 1) once they are as many as the window itself."""
+        if self.window is None:
+            return keys, values, base
+        first = next_pos - self.window + 1  # oldest entry a later query can see
+        drop = first - base
+        if drop < self.window:
+            return keys, values, base
+        empty = keys[:, :, :0]
+        keys = append_along_time(empty.new_zeros(empty.shape), keys[:, :, drop:])
+        values = append_along_time(values[:, :, :0].new_zeros(values[:, :, :0].shape),
+                                   values[:, :, drop:])
+        return keys, values, first
+
     def extra_repr(self) -> str:
-        return f"n_head={self.n_head}, leaky_chunk={self.chunk}"
+        return f"n_head={self.n_head}, leaky_chunk={self.chunk}, level={self.level!r}"
 
 
 class PersistentMemory(nn.Module):
@@ -325,20 +428,30 @@ class PersistentMemory(nn.Module):
         return (self.mem_keys * bandwidth(self.bandwidth_b).view(H, 1, 1),
                 self.mem_values * torch.exp(self.value_q * EXP_SCALE).view(H, 1, 1))
 
-    def forward(self, x: Tensor, state: dict | None = None) -> tuple[Tensor, dict | None]:
+    def forward(self, x: Tensor, state: dict | None = None,
+                pos: Positions | None = None) -> tuple[Tensor, dict | None]:
         """x: (B, T, d); ``state``: as in :meth:`ContextualMemory.forward`, here the running
-        key sum and the :class:`PersistentWeights`."""
-        if state and x.shape[1] == 1 and not (torch.is_grad_enabled() or self.training):
+        key sum and the :class:`PersistentWeights`; ``pos``: with documents, the key average
+        restarts at each new document."""
+        docs = None if pos is None else pos.documents
+        if state and pos is not None and pos.restart is not None:
+            keep = (~pos.restart).to(state["kbar"].dtype).view(-1, 1, 1)
+            state = {**state, "kbar": state["kbar"] * keep}  # a new document: forget the keys
+        if (state and x.shape[1] == 1 and not (torch.is_grad_enabled() or self.training)):
             return self._step(x, state)
         B, T, d = x.shape
         H = self.n_head
         k_raw = split_heads(self.k_proj(x), H)
-        if state:  # decoding: continue the running key sum
-            w: PersistentWeights = state["weights"]
+        w = state["weights"] if state else None
+        if docs is not None:
+            a = decay_rate(self.leaky_p, EXP_SCALE).to(k_raw.dtype).view(1, H, 1)
+            kbar, total = gated_leaky_average(k_raw, k_raw.new_ones(B, H, T), a.expand(B, H, T),
+                                              self.chunk, state["kbar"] if state else None,
+                                              docs)
+        elif state:  # decoding: continue the running key sum
             kbar, total = continue_leaky_sum(state["kbar"], k_raw, w.log_decay, w.decay,
                                              self.chunk)
         else:
-            w = None
             kbar = leaky_average(k_raw, decay_rate(self.leaky_p, EXP_SCALE), None, self.chunk)
             total = None
         # The banks are shared by every token: fold the batch into the query axis, (H, B T, hs),
@@ -354,5 +467,24 @@ class PersistentMemory(nn.Module):
         if state is None:
             return y, None
         if w is None:  # prefill
-            return y, {"kbar": kbar[:, :, -1].clone(), "weights": self.decode_weights()}
+            last = kbar[:, :, -1].clone() if total is None else total
+            return y, {"kbar": last, "weights": self.decode_weights()}
         return y, {"kbar": total, "weights": w}
+
+
+class ThreeLevelMemory(nn.Module):
+    """The v2 contextual memory: a short-term memory over the last h - 1 keys and a long-term
+    memory over the keys at least m back, each a :class:`ContextualMemory` with its own
+    parameters. Concatenating their heads and projecting with W_o = [W_o^s W_o^l] is the sum
+    of the two memories' own output projections, which is what is computed."""
+
+    def __init__(self, config: MosaicsConfig, layer_idx: int = 0) -> None:
+        super().__init__()
+        self.short = ContextualMemory(config, layer_idx, level="short")
+        self.long = ContextualMemory(config, layer_idx, level="long")
+
+    def forward(self, x: Tensor, state: dict | None = None,
+                pos: Positions | None = None) -> tuple[Tensor, dict | None]:
+        ys, ss = self.short(x, None if state is None else state.get("short", {}), pos)
+        yl, sl = self.long(x, None if state is None else state.get("long", {}), pos)
+        return ys + yl, (None if state is None else {"short": ss, "long": sl})

@@ -9,9 +9,14 @@
   addition, so that a fresh v2 block starts with v1's range of memory lengths; W_g and
   W_lambda start at zero (g = 1, lambda_h = e^{-b_h}: exactly the v1 average).
 - :class:`SwiGLUMemory`: the v2 persistent memory, W2 (SiLU(W1 x) * W3 x).
+- :class:`Positions` / :func:`document_positions`: where the tokens of one forward call sit
+  (absolute positions, documents, the long-term gap of this call), from which each memory
+  derives the interval of entries every query sees.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +34,17 @@ class AdaptiveBandwidth(nn.Module):
 
     def __init__(self, n_head: int) -> None:
         super().__init__()
-        self.theta0 = nn.Parameter(torch.full((n_head,), 1.5))
-        self.theta1 = nn.Parameter(torch.full((n_head,), 1.5))
-        self.theta2 = nn.Parameter(torch.full((n_head,), 1.0 / 3.0))
+        self.theta0 = nn.Parameter(torch.empty(n_head))
+        self.theta1 = nn.Parameter(torch.empty(n_head))
+        self.theta2 = nn.Parameter(torch.empty(n_head))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """thetas 1.5, 1.5 and alpha = 1/3."""
+        self.theta0.fill_(1.5)
+        self.theta1.fill_(1.5)
+        self.theta2.fill_(1.0 / 3.0)
 
     def forward(self, visible: Tensor) -> Tensor:
         """(T,) or (B, T) counts of visible memory entries -> (H, T) or (B, H, T) bandwidths."""
@@ -55,6 +68,62 @@ def visible_entries(T: int, offset: int = 0, window: int | None = None, gap: int
     hi = p - gap  # newest visible entry
     lo = torch.zeros_like(p) if window is None else (p - window + 1).clamp(min=0)
     return (hi - lo + 1).clamp(min=0)
+
+
+@dataclass
+class Positions:
+    """The n tokens of one forward call.
+
+    Attributes:
+        start: absolute position of the first token (the cache length when decoding).
+        gap: the long-term gap m of this call (drawn per training batch).
+        documents: (B, n) non-decreasing document ids, or None (one document).
+        doc_starts: (B, n) absolute position of the first token of each token's document.
+        restart: (B,) bool, whether token 0 begins a new document (so a decoding state from
+            before it is dropped), or None.
+    """
+
+    start: int = 0
+    gap: int = 1
+    documents: Tensor | None = None
+    doc_starts: Tensor | None = None
+    restart: Tensor | None = None
+
+
+def document_positions(starts: Tensor, offset: int = 0, last_start: Tensor | None = None,
+                       last_id: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Document ids and first positions from the (B, n) bool flags ``starts`` (True where a
+    token begins a new document) of tokens at absolute positions offset .. offset + n - 1.
+
+    ``last_start`` / ``last_id`` (B,): the document in progress before the first token
+    (decoding; default: a document starting at 0 with id 0). Returns (ids, doc_starts), each
+    (B, n) int64: ids non-decreasing, doc_starts[b, t] = the latest start <= t."""
+    B, n = starts.shape
+    pos = torch.arange(offset, offset + n, device=starts.device).expand(B, n)
+    prev_start = (torch.zeros(B, dtype=torch.long, device=starts.device)
+                  if last_start is None else last_start.long())
+    prev_id = torch.zeros_like(prev_start) if last_id is None else last_id.long()
+    marked = torch.where(starts, pos, torch.full_like(pos, -1)).cummax(dim=1).values
+    doc_starts = torch.where(marked >= 0, marked, prev_start.view(B, 1))
+    ids = prev_id.view(B, 1) + starts.long().cumsum(dim=1)
+    return ids, doc_starts
+
+
+def visible_interval(n: int, pos: Positions | None, window: int | None, gap: int,
+                     device: torch.device) -> tuple[Tensor, Tensor]:
+    """(lo, hi), each (B or 1, n) absolute positions: the query at absolute position p sees
+    the memory entries s with lo <= s <= hi, hi = p - gap, lo = max(document start,
+    p - window + 1) (empty when hi < lo)."""
+    start = 0 if pos is None else pos.start
+    p = torch.arange(start, start + n, device=device).view(1, n)
+    hi = p - gap
+    if pos is not None and pos.doc_starts is not None:
+        lo = pos.doc_starts.to(device)
+    else:
+        lo = torch.zeros_like(p)
+    if window is not None:
+        lo = torch.maximum(lo, p - window + 1)
+    return lo, hi
 
 
 class GatedKeys(nn.Module):
@@ -109,7 +178,9 @@ class SwiGLUMemory(nn.Module):
         self.w2 = nn.Linear(hidden, n_embd, bias=False)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor, state: dict | None = None) -> tuple[Tensor, dict | None]:
-        """(B, T, d) -> (B, T, d); ``state`` is passed through (``{}`` while decoding)."""
+    def forward(self, x: Tensor, state: dict | None = None,
+                pos: Positions | None = None) -> tuple[Tensor, dict | None]:
+        """(B, T, d) -> (B, T, d); ``state`` is passed through (``{}`` while decoding); a
+        position-wise map, so ``pos`` (documents) changes nothing."""
         y = self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
         return y, (None if state is None else {})

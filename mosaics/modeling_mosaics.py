@@ -22,8 +22,9 @@ from transformers.utils import ModelOutput
 from .cache import MosaicsCache
 from .configuration_mosaics import MosaicsConfig
 from .fused_loss import linear_cross_entropy
-from .memory import ContextualMemory, PersistentMemory
-from .memory_v2 import SwiGLUMemory
+from .kernels import Kernel
+from .memory import ContextualMemory, PersistentMemory, ThreeLevelMemory
+from .memory_v2 import AdaptiveBandwidth, Positions, SwiGLUMemory, document_positions
 from .remote_code import save_model_code
 
 
@@ -75,15 +76,17 @@ class MosaicsBlock(GradientCheckpointingLayer):
     def __init__(self, config: MosaicsConfig, layer_idx: int) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=False)
-        self.cmem = ContextualMemory(config, layer_idx)
+        self.cmem = (ThreeLevelMemory(config, layer_idx) if config.three_level_memory
+                     else ContextualMemory(config, layer_idx))
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=False)
         self.pmem = (SwiGLUMemory(config.n_embd, config.swiglu_hidden, config.dropout)
                      if config.persistent_memory == "swiglu" else PersistentMemory(config))
 
-    def forward(self, x: Tensor, state: dict | None = None) -> tuple[Tensor, dict | None]:
-        y, cstate = self.cmem(self.ln_1(x), None if state is None else state["context"])
+    def forward(self, x: Tensor, state: dict | None = None,
+                pos: Positions | None = None) -> tuple[Tensor, dict | None]:
+        y, cstate = self.cmem(self.ln_1(x), None if state is None else state["context"], pos)
         x = x + y
-        y, pstate = self.pmem(self.ln_2(x), None if state is None else state["persistent"])
+        y, pstate = self.pmem(self.ln_2(x), None if state is None else state["persistent"], pos)
         x = x + y
         return x, (None if state is None else {"context": cstate, "persistent": pstate})
 
@@ -118,6 +121,8 @@ class MosaicsPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.c_proj.weight, mean=0.0, std=std)
             if isinstance(module, PersistentMemory):
                 module.reset_banks()
+        elif isinstance(module, AdaptiveBandwidth):
+            module.reset_parameters()
         elif isinstance(module, SwiGLUMemory):  # output layer scaled like c_proj
             fan_in = module.w2.weight.shape[1]
             std = 1.0 / math.sqrt(fan_in * self.config.n_layer)
@@ -174,9 +179,12 @@ class MosaicsModel(MosaicsPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         past_key_values: MosaicsCache | None = None,
+        document_ids: Tensor | None = None,
         **kwargs,
     ) -> MosaicsModelOutput | tuple:
-        """Backbone forward; ``cache`` (or ``past_key_values``) continues a decoding state."""
+        """Backbone forward; ``cache`` (or ``past_key_values``) continues a decoding state.
+        ``document_ids`` (B, T): with ``document_masking``, documents where the id changes
+        (instead of after each separator token)."""
         cache = _one_cache(cache, past_key_values)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
@@ -191,11 +199,12 @@ class MosaicsModel(MosaicsPreTrainedModel):
         output_hidden_states = (output_hidden_states if output_hidden_states is not None
                                 else self.config.output_hidden_states)
         x = self.wte(input_ids) if inputs_embeds is None else inputs_embeds
+        pos = self.positions(input_ids, document_ids, x.shape[:2], cache, x.device)
         hidden = []
         for i, block in enumerate(self.blocks):
             if output_hidden_states:
                 hidden.append(x)
-            x, state = block(x, None if cache is None else cache.layers[i])
+            x, state = block(x, None if cache is None else cache.layers[i], pos)
             if cache is not None:
                 cache.layers[i] = state
         x = self.ln_f(x)
@@ -203,13 +212,67 @@ class MosaicsModel(MosaicsPreTrainedModel):
             hidden.append(x)
         if cache is not None:
             cache.seen_tokens += x.shape[1]
-        regs = [r for b in self.blocks if (r := b.cmem.kernel.regularization()) is not None]
+        regs = [r for k in self.kernels() if (r := k.regularization()) is not None]
         aux = torch.stack(regs).mean() if regs else None
         out = MosaicsModelOutput(last_hidden_state=x, cache=cache,
                                  hidden_states=tuple(hidden) if output_hidden_states else None,
                                  aux_loss=aux)
         return out if (return_dict if return_dict is not None else self.config.return_dict) \
             else out.to_tuple()
+
+
+    def kernels(self) -> list[Kernel]:
+        """The contextual memories' kernels, in layer order."""
+        return [m for m in self.blocks.modules() if isinstance(m, Kernel)]
+
+    def positions(self, input_ids: Tensor | None, document_ids: Tensor | None,
+                  shape: torch.Size, cache: MosaicsCache | None,
+                  device: torch.device) -> Positions | None:
+        """Where the tokens of this call sit, for the v2 memory options (None for v1): the
+        absolute start (the cache length), the long-term gap (drawn per batch in training)
+        and, with ``document_masking``, the documents (restarting after each separator
+        token, or where ``document_ids`` change); the cache remembers the document in
+        progress between decoding calls."""
+        cfg = self.config
+        if not cfg.uses_visibility:
+            return None
+        B, n = shape
+        start = 0 if cache is None else cache.seen_tokens
+        gap = cfg.long_term_gap
+        if self.training and cfg.long_term_gap_range is not None:
+            low, high = cfg.long_term_gap_range
+            gap = int(torch.randint(low, high + 1, ()))
+        pos = Positions(start=start, gap=gap)
+        if not cfg.document_masking:
+            return pos
+        docs = cache.documents if cache is not None else {}
+        if document_ids is not None:
+            document_ids = document_ids.to(device)
+            prev = docs.get("last_id_given")
+            first = (torch.ones(B, dtype=torch.bool, device=device) if prev is None
+                     else document_ids[:, 0] != prev)
+            starts = torch.cat([first[:, None], document_ids[:, 1:] != document_ids[:, :-1]], 1)
+        elif input_ids is not None and cfg.separator_id is not None:
+            sep = input_ids == cfg.separator_id
+            first = docs.get("last_is_separator")
+            if first is None:
+                first = torch.ones(B, dtype=torch.bool, device=device)  # token 0 starts one
+            starts = torch.cat([first[:, None], sep[:, :-1]], dim=1)
+        else:
+            raise ValueError("document_masking needs the documents: pass input_ids with "
+                             "document_separator_id (or eos_token_id) set in the config, or "
+                             "document_ids (B, T)")
+        ids, doc_starts = document_positions(starts, start, docs.get("doc_start"),
+                                             docs.get("doc_id"))
+        pos.documents, pos.doc_starts = ids, doc_starts
+        pos.restart = starts[:, 0] if start > 0 else None
+        if cache is not None:
+            cache.documents = {"doc_start": doc_starts[:, -1], "doc_id": ids[:, -1]}
+            if document_ids is not None:
+                cache.documents["last_id_given"] = document_ids[:, -1]
+            else:
+                cache.documents["last_is_separator"] = input_ids[:, -1] == cfg.separator_id
+        return pos
 
 
 class MosaicsForCausalLM(MosaicsPreTrainedModel, GenerationMixin):
@@ -238,7 +301,7 @@ class MosaicsForCausalLM(MosaicsPreTrainedModel, GenerationMixin):
 
     @property
     def regularization_weight(self) -> float:
-        return float(self.model.blocks[0].cmem.kernel.regularization_weight)
+        return float(self.model.kernels()[0].regularization_weight)
 
     def forward(
         self,
@@ -253,13 +316,14 @@ class MosaicsForCausalLM(MosaicsPreTrainedModel, GenerationMixin):
         logits_to_keep: int = 0,
         num_items_in_batch: int | Tensor | None = None,
         past_key_values: MosaicsCache | None = None,
+        document_ids: Tensor | None = None,
         **kwargs,
     ) -> MosaicsCausalLMOutput | tuple:
         """Causal LM forward. ``labels`` are the input ids (shifted inside); -100 is ignored.
         ``cache`` (or ``past_key_values``) continues a decoding state; ``use_cache`` returns it."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          inputs_embeds=inputs_embeds, cache=_one_cache(cache, past_key_values),
-                         use_cache=use_cache,
+                         use_cache=use_cache, document_ids=document_ids,
                          output_hidden_states=output_hidden_states, return_dict=True)
         h = out.last_hidden_state
         if logits_to_keep:

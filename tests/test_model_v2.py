@@ -1,5 +1,7 @@
-"""The v2 options inside the model (gated keys, SwiGLU persistent memory): v1 at init,
-cached decoding equal to the full forward, training gradients, save / load round trip."""
+"""The v2 options inside the model (gated keys, SwiGLU persistent memory, adaptive bandwidth,
+three-level memory, document masking): v1 at init, each option against an explicit loop,
+cached decoding equal to the full forward, documents isolated, training gradients, save /
+load round trip."""
 
 from __future__ import annotations
 
@@ -7,16 +9,35 @@ import pytest
 import torch
 
 from mosaics import MosaicsConfig, MosaicsForCausalLM
-from mosaics.memory_v2 import GatedKeys, SwiGLUMemory
+from mosaics.gated_leaky import gated_leaky_reference
+from mosaics.leaky import decay_rate
+from mosaics.memory import EXP_SCALE, ContextualMemory, bandwidth, split_heads
+from mosaics.memory_v2 import GatedKeys, Positions, SwiGLUMemory, document_positions
 
+SMALL_LEVELS = dict(three_level_memory=True, short_term_window=6, long_term_gap=4,
+                    long_term_gap_range=[3, 7])
 V2_OPTIONS = [dict(gated_keys=True), dict(persistent_memory="swiglu"),
-              dict(gated_keys=True, persistent_memory="swiglu")]
+              dict(gated_keys=True, persistent_memory="swiglu"),
+              dict(adaptive_bandwidth=True), SMALL_LEVELS, dict(document_masking=True),
+              dict(adaptive_bandwidth=True, document_masking=True, kernel="epanechnikov"),
+              dict(gated_keys=True, adaptive_bandwidth=True, document_masking=True,
+                   persistent_memory="swiglu", **SMALL_LEVELS)]
+SEP = 0  # the document separator (eos) of these tests
 
 
 def _config(**kw) -> MosaicsConfig:
     base = dict(vocab_size=61, n_layer=2, n_head=4, n_embd=32, dropout=0.0,
-                leaky_chunk_size=8, block_size=64)
+                leaky_chunk_size=8, block_size=64, eos_token_id=SEP)
     return MosaicsConfig(**{**base, **kw})
+
+
+def _with_documents(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    """Random ids with a few separators (documents of different lengths per row)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 61, (batch, length), generator=g)
+    ids[0, [7, 19]] = SEP
+    ids[-1, [12, 13, 25]] = SEP  # an empty document too
+    return ids
 
 
 def _gate_randomly(model: torch.nn.Module) -> None:
@@ -46,7 +67,7 @@ def test_cached_decoding_equals_the_full_forward(options):
     torch.manual_seed(0)
     model = MosaicsForCausalLM(_config(**options)).eval()
     _gate_randomly(model)
-    ids = torch.randint(1, 61, (2, 30))
+    ids = _with_documents(2, 30)
     with torch.no_grad():
         full = model(ids).logits
         out = model(ids[:, :12], use_cache=True)
@@ -97,3 +118,167 @@ def test_swiglu_sizes_and_round_trip(tmp_path):
     torch.testing.assert_close(again(ids).logits, model(ids).logits)
     with pytest.raises(ValueError, match="persistent_memory must be one of"):
         _config(persistent_memory="mlp")
+
+
+# --- adaptive bandwidth, three-level memory, documents ----------------------------------------
+
+def _explicit_memory(mem: ContextualMemory, x: torch.Tensor, documents: torch.Tensor | None,
+                     gap: int) -> torch.Tensor:
+    """The contextual memory as loops: keys by the leaky recursion restarted at documents,
+    then for every query t the Gaussian kernel over the entries lo <= s <= hi only."""
+    B, T, _ = x.shape
+    H = mem.n_head
+    k_raw, v_raw = (split_heads(f(x), H) for f in (mem.k_proj, mem.v_proj))
+    a = decay_rate(mem.leaky_p, EXP_SCALE).view(1, H, 1).expand(B, H, T)
+    kbar = gated_leaky_reference(k_raw, torch.ones(B, H, T), a, documents=documents)
+    keys = kbar / kbar.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+    nxt = torch.cat([v_raw[:, :, 1:], torch.zeros_like(v_raw[:, :, :1])], dim=2)
+    c = mem.lookahead_c.view(1, H, 1, 1)
+    vbar = (1 - c) * nxt + c * v_raw
+    values = vbar / vbar.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+    y = torch.zeros_like(values)
+    for b in range(B):
+        for t in range(T):
+            lo = 0
+            if documents is not None:
+                lo = min(s for s in range(T) if documents[b, s] == documents[b, t])
+            if mem.window is not None:
+                lo = max(lo, t - mem.window + 1)
+            hi = t - gap
+            if hi < lo:
+                continue
+            n = hi - lo + 1
+            if mem.adaptive is not None:
+                th = mem.adaptive
+                beta = (torch.exp(th.theta1.clamp(max=10)) * n ** th.theta2.abs().clamp(max=1)
+                        + torch.exp(th.theta0.clamp(max=10)))
+            else:
+                beta = bandwidth(mem.bandwidth_b)
+            scores = beta.view(H, 1) * (keys[b, :, lo:hi + 1] @ keys[b, :, t].unsqueeze(-1))[..., 0]
+            y[b, :, t] = torch.einsum("hs,hsd->hd", scores.softmax(-1), values[b, :, lo:hi + 1])
+    return mem.output(y)
+
+
+@pytest.mark.parametrize("level,options", [
+    ("all", dict(adaptive_bandwidth=True)),
+    ("all", dict(document_masking=True)),
+    ("short", dict(three_level_memory=True, short_term_window=5)),
+    ("long", dict(three_level_memory=True, long_term_gap=3)),
+    ("short", dict(three_level_memory=True, short_term_window=4, adaptive_bandwidth=True,
+                   document_masking=True)),
+    ("long", dict(three_level_memory=True, long_term_gap=2, adaptive_bandwidth=True,
+                  document_masking=True)),
+])
+def test_contextual_memory_against_explicit_loops(level, options):
+    torch.manual_seed(0)
+    mem = ContextualMemory(_config(**options), level=level).double()
+    with torch.no_grad():
+        mem.bandwidth_b.mul_(3.0) if mem.bandwidth_b is not None else None
+        if mem.adaptive is not None:
+            mem.adaptive.theta2.fill_(0.6)
+    x = torch.randn(2, 21, 32, dtype=torch.float64)
+    starts = torch.zeros(2, 21, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[0, [5, 6, 14]] = True
+    starts[1, 9] = True
+    docs, doc_starts = document_positions(starts)
+    masking = options.get("document_masking", False)
+    pos = Positions(gap=options.get("long_term_gap", 64) if level == "long" else 1,
+                    documents=docs if masking else None,
+                    doc_starts=doc_starts if masking else None)
+    y, _ = mem(x, None, pos)
+    ref = _explicit_memory(mem, x, docs if masking else None, pos.gap)
+    torch.testing.assert_close(y, ref, rtol=1e-9, atol=1e-9)
+
+
+def test_document_positions():
+    starts = torch.tensor([[True, False, True, True, False], [False, False, False, True, False]])
+    ids, first = document_positions(starts, offset=10, last_start=torch.tensor([0, 7]),
+                                    last_id=torch.tensor([0, 4]))
+    assert ids.tolist() == [[1, 1, 2, 3, 3], [4, 4, 4, 5, 5]]
+    assert first.tolist() == [[10, 10, 12, 13, 13], [7, 7, 7, 13, 13]]
+
+
+@pytest.mark.parametrize("options", [dict(), dict(adaptive_bandwidth=True, kernel="triweight"),
+                                     dict(gated_keys=True, persistent_memory="swiglu",
+                                          adaptive_bandwidth=True, **SMALL_LEVELS)])
+def test_documents_do_not_see_each_other(options):
+    """With document masking the logits of a document are those of the document alone,
+    whatever precedes it; given by separators or by document_ids."""
+    torch.manual_seed(0)
+    model = MosaicsForCausalLM(_config(document_masking=True, **options)).eval()
+    _gate_randomly(model)
+    ids = torch.randint(1, 61, (2, 36))
+    ids[:, 14] = SEP
+    with torch.no_grad():
+        packed = model(ids).logits
+        alone = model(ids[:, 15:]).logits
+        first = model(ids[:, :15]).logits
+        by_ids = model(ids, document_ids=(torch.arange(36) >= 15).long().expand(2, 36)).logits
+        unmasked = MosaicsForCausalLM(_config(**options)).eval()
+        unmasked.load_state_dict(model.state_dict())
+        leaky = unmasked(ids).logits
+    torch.testing.assert_close(packed[:, 15:], alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed[:, :15], first, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(by_ids, packed, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(leaky[:, 15:], alone, atol=1e-3)  # without the option: mixed
+    with pytest.raises(ValueError, match="document_masking needs the documents"):
+        model(inputs_embeds=model.model.wte(ids))
+
+
+def test_long_term_gap_drawn_per_training_batch():
+    model = MosaicsForCausalLM(_config(**SMALL_LEVELS))
+    ids = torch.randint(1, 61, (1, 8))
+    gaps = {model.model.positions(ids, None, ids.shape, None, ids.device).gap
+            for _ in range(60)}
+    assert gaps <= set(range(3, 8)) and len(gaps) > 2
+    model.eval()
+    assert model.model.positions(ids, None, ids.shape, None, ids.device).gap == 4
+
+
+def test_short_term_decoding_memory_stays_bounded():
+    torch.manual_seed(0)
+    model = MosaicsForCausalLM(_config(**SMALL_LEVELS)).eval()
+    ids = torch.randint(1, 61, (1, 60))
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :3], use_cache=True)
+        steps = [out.logits]
+        for t in range(3, 60):
+            out = model(ids[:, t:t + 1], cache=out.cache, use_cache=True)
+            steps.append(out.logits)
+            short = out.cache.layers[0]["context"]["short"]
+            assert short["mem_keys"].shape[2] <= 2 * (6 - 1) + 1
+    long = out.cache.layers[0]["context"]["long"]
+    assert long["mem_keys"].shape[2] == 59  # every entry: the long-term memory sees them all
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_v2_preset_round_trip(tmp_path):
+    config = MosaicsConfig.v2(vocab_size=61, n_layer=2, n_head=4, n_embd=32, eos_token_id=SEP,
+                              kernel="epanechnikov", short_term_window=8)
+    assert (config.gated_keys and config.adaptive_bandwidth and config.three_level_memory
+            and config.document_masking and config.persistent_memory == "swiglu")
+    assert (config.short_term_window, config.long_term_gap, config.long_term_gap_range) == \
+        (8, 64, [64, 256])
+    torch.manual_seed(0)
+    model = MosaicsForCausalLM(config).eval()
+    _gate_randomly(model)
+    model.save_pretrained(tmp_path)
+    again = MosaicsForCausalLM.from_pretrained(tmp_path).eval()
+    fields = ("gated_keys", "adaptive_bandwidth", "three_level_memory", "short_term_window",
+              "long_term_gap", "long_term_gap_range", "document_masking", "persistent_memory",
+              "kernel")
+    assert all(getattr(again.config, f) == getattr(config, f) for f in fields)
+    ids = _with_documents(2, 80)
+    torch.testing.assert_close(again(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("short_term_window", 1, "short_term_window must be an integer >= 2"),
+    ("long_term_gap", 0, "long_term_gap must be an integer >= 1"),
+    ("long_term_gap_range", [9, 3], "long_term_gap_range must be"),
+])
+def test_memory_level_options_are_checked(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        _config(**{field: value})
