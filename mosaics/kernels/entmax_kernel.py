@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from . import adasplash_backend
+from .adasplash_backend import retrieval as adasplash_retrieval
+from .adasplash_backend import skip_reason as adasplash_skip_reason
 from .base import register_kernel
 from .entmax_rows import SORTED_ROW_SOLVERS
 from .normalizers import check_alpha, entmax_backward, entmax_exponent, entmax_tau
@@ -50,8 +51,8 @@ class EntmaxKernel(PowerKernel):
     def forward(self, keys: Tensor, values: Tensor, beta: Tensor) -> Tensor:
         """Strict-past retrieval (see :meth:`~.base.Kernel.forward`): adasplash's fused kernels
         when :func:`~.adasplash_backend.skip_reason` allows, else the chunked path."""
-        if adasplash_backend.skip_reason(self, keys, values) is None:
-            return adasplash_backend.retrieval(keys, values, beta, self.alpha)
+        if adasplash_skip_reason(self, keys, values) is None:
+            return adasplash_retrieval(keys, values, beta, self.alpha)
         return super().forward(keys, values, beta)
 
     def row_shift(self, x: Tensor, bmax: Tensor | None,
