@@ -42,12 +42,27 @@ def test_paper_suite_covers_both_tables():
     assert all(j.preset == "reference" and not j.overrides for j in jobs)
 
 
+def test_v2_jobs_build_the_v2_block():
+    from mosaics.evaluation.models import model_config
+
+    job = sweep.make_job("sort", "mosaics-v2/epanechnikov", seed=1, preset="cpu-learn")
+    assert (job.arch, job.kernel, job.label) == ("mosaics-v2", "epanechnikov",
+                                                 "mosaics-v2/epanechnikov")
+    assert job.name == "sort-mosaics-v2-epanechnikov-s1-cpu-learn"
+    cfg = model_config(job.arch, 16, 2, 32, 4, kernel=job.kernel)
+    assert cfg.three_level_memory and cfg.adaptive_bandwidth and cfg.gated_keys
+    assert cfg.persistent_memory == "swiglu" and not cfg.document_masking  # one example, one doc
+    assert not model_config("mosaics", 16, 2, 32, 4).three_level_memory
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"task": "copy", "model": "gaussian"}, "unknown task"),
     ({"task": "sort", "model": "nope"}, "registered kernels"),
     ({"task": "sort", "model": "gpt2"}, "llama"),
     ({"task": "sort", "model": "llama", "preset": "huge"}, "preset"),
     ({"task": "sort", "model": "llama", "overrides": {"stepz": 1}}, "unknown protocol"),
+    ({"task": "sort", "model": "mosaics-v2/nope"}, "registered kernels"),
+    ({"task": "sort", "model": "v3/gaussian"}, "unknown model"),
 ])
 def test_bad_jobs_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -30,7 +30,7 @@ from ..training.trainer import (
     make_accelerator,
 )
 from . import regbench, tasks
-from .models import load_model, model_config
+from .models import is_mosaics, load_model, model_config
 
 
 @dataclass
@@ -169,7 +169,7 @@ def _check_vocab(model: torch.nn.Module, expected: int, path: str | Path, task: 
 
 
 def _label(arch: str, kernel: str | None) -> str:
-    return arch if arch != "mosaics" else f"mosaics/{kernel}"
+    return f"{arch}/{kernel}" if is_mosaics(arch) else arch
 
 
 def _slug(label: str) -> str:
@@ -196,7 +196,7 @@ def run_regbench(archs: list[str], kernels: list[str], sizes: list[int], proto: 
         return results
     val_batches = [regbench.collate(data.val[i: i + proto.batch_size])
                    for i in range(0, len(data.val), proto.batch_size)]
-    plans = [(a, k) for a in archs for k in (kernels if a == "mosaics" else [None])]
+    plans = [(a, k) for a in archs for k in (kernels if is_mosaics(a) else [None])]
     for size in sizes:
         train_set = data.train[:size]
         steps_per_epoch = math.ceil(size / proto.batch_size)
@@ -316,11 +316,13 @@ def extrapolation_model(task: str, arch: str, kernel: str | None,
     spec = tasks.TASKS[task]
     cfg = model_config(arch, spec.vocab_size, proto.n_layer or spec.n_layer, proto.n_embd,
                        proto.n_head, None, kernel or "gaussian", kernel_kwargs, proto.dropout,
-                       2 * proto.max_len + 3 if arch == "mosaics" else longest)
+                       2 * proto.max_len + 3 if is_mosaics(arch) else longest)
     return causal_lm(cfg)
 
 
 def _run_name(task: str, arch: str, kernel: str | None) -> str:
+    if arch == "mosaics-v2":
+        return f"{task}-v2-{kernel}"
     return f"{task}-{kernel if arch == 'mosaics' else arch}"
 
 
@@ -365,7 +367,7 @@ def run_extrapolation(task: str, kernels: list[str], proto: ExtrapolationProtoco
                    for i in range(0, len(val), proto.batch_size)]
     for b in val_batches:
         b.pop("score_mask")
-    plans = [(a, k) for a in archs for k in (kernels if a == "mosaics" else [None])]
+    plans = [(a, k) for a in archs for k in (kernels if is_mosaics(a) else [None])]
     for arch, kernel in plans:
         label = _label(arch, kernel)
         torch.manual_seed(seed)

@@ -9,24 +9,34 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-ARCHS = ("mosaics", "gpt2", "llama")
+ARCHS = ("mosaics", "mosaics-v2", "gpt2", "llama")
+MOSAICS_ARCHS = ("mosaics", "mosaics-v2")  # built with a kernel
+
+
+def is_mosaics(arch: str) -> bool:
+    """Whether ``arch`` is a Memory Mosaics model (v1 or v2), which takes a kernel."""
+    return arch in MOSAICS_ARCHS
 
 
 def model_config(arch: str, vocab_size: int, n_layer: int, n_embd: int, n_head: int,
                  pmem_size: int | None = None, kernel: str = "gaussian",
                  kernel_kwargs: dict | None = None, dropout: float = 0.0,
                  n_positions: int = 1024, **extra: Any) -> PretrainedConfig:
-    """``MosaicsConfig``, or the same-size ``GPT2Config`` (learned positions, ``n_positions``)
-    or rotary ``LlamaConfig`` (``gpt2`` / ``llama``)."""
+    """``MosaicsConfig`` (``mosaics``; ``mosaics-v2``: :meth:`MosaicsConfig.v2` without
+    document masking, a task example being one document), or the same-size ``GPT2Config``
+    (learned positions, ``n_positions``) or rotary ``LlamaConfig`` (``gpt2`` / ``llama``)."""
     from mosaics import MosaicsConfig, available_kernels
     from mosaics.baselines import gpt2_config_like, llama_config_like
 
     if arch not in ARCHS:
         raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
-    if arch == "mosaics" and kernel not in available_kernels():
+    if is_mosaics(arch) and kernel not in available_kernels():
         raise ValueError(f"unknown kernel {kernel!r}; registered kernels: "
                          f"{', '.join(available_kernels())}")
-    cfg = MosaicsConfig(vocab_size=vocab_size, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
+    if arch == "mosaics-v2":
+        extra = {"document_masking": False, **extra}
+    build = MosaicsConfig.v2 if arch == "mosaics-v2" else MosaicsConfig
+    cfg = build(vocab_size=vocab_size, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                         pmem_size=pmem_size, kernel=kernel, kernel_kwargs=kernel_kwargs or {},
                         dropout=dropout, block_size=n_positions, **extra)
     if arch == "gpt2":

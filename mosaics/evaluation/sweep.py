@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from .models import MOSAICS_ARCHS, is_mosaics
+
 TASKS = ("regbench", "sort", "mqmtar")
 BASELINE_ARCHS = ("gpt2", "llama")
 LOG_TAIL = 4000  # characters of a failed job's log kept in its failure record
@@ -35,7 +37,8 @@ LOG_TAIL = 4000  # characters of a failed job's log kept in its failure record
 
 @dataclass(frozen=True)
 class Job:
-    """One experiment: ``model`` is ``mosaics/<kernel>``, ``gpt2`` or ``llama``; ``size`` is
+    """One experiment: ``model`` is ``mosaics/<kernel>``, ``mosaics-v2/<kernel>`` (the v2
+    block), ``gpt2`` or ``llama``; ``size`` is
     the number of training automata (RegBench only)."""
 
     task: str
@@ -52,7 +55,7 @@ class Job:
 
     @property
     def kernel(self) -> str | None:
-        return self.model.split("/", 1)[1] if self.arch == "mosaics" else None
+        return self.model.split("/", 1)[1] if is_mosaics(self.arch) else None
 
     @property
     def label(self) -> str:
@@ -80,11 +83,13 @@ class Job:
 
 
 def normalize_model(model: str) -> str:
-    """``gaussian`` -> ``mosaics/gaussian``; ``gpt2`` / ``llama`` unchanged."""
-    if model in BASELINE_ARCHS or model.startswith("mosaics/"):
+    """``gaussian`` -> ``mosaics/gaussian``; ``gpt2`` / ``llama`` / ``mosaics-v2/<kernel>``
+    unchanged."""
+    if model in BASELINE_ARCHS or model.split("/", 1)[0] in MOSAICS_ARCHS and "/" in model:
         return model
     if "/" in model:
-        raise ValueError(f"unknown model {model!r}; use mosaics/<kernel>, gpt2 or llama")
+        raise ValueError(f"unknown model {model!r}; use mosaics/<kernel>, "
+                         "mosaics-v2/<kernel>, gpt2 or llama")
     return f"mosaics/{model}"
 
 
@@ -123,7 +128,7 @@ def make_job(task: str, model: str, seed: int = 0, size: int | None = None,
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
     model = normalize_model(model)
-    kernel = model.split("/", 1)[1] if model.startswith("mosaics/") else None
+    kernel = model.split("/", 1)[1] if "/" in model else None
     if kernel is not None and kernel not in available_kernels():
         raise ValueError(f"unknown kernel {kernel!r}; registered kernels: "
                          f"{', '.join(available_kernels())}")
