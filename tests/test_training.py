@@ -301,3 +301,18 @@ def test_gpt2_baseline_trains_resumes_and_exports(reference_run) -> None:
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     assert type(model).__name__ == "GPT2LMHeadModel"
     assert model.config.n_embd == settings["n_embd"]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_builds_its_model_config(path):
+    from mosaics.training.build import mosaics_config
+
+    cfg = config_from_argv(["--config", str(path)])
+    model_cfg = mosaics_config(cfg, 512, eos_token_id=0)
+    if path.name == "v2.yaml":  # the preset of MosaicsConfig.v2, at the default size
+        preset = MosaicsConfig.v2(vocab_size=512, eos_token_id=0)
+        for field in ("gated_keys", "adaptive_bandwidth", "three_level_memory",
+                      "short_term_window", "long_term_gap", "long_term_gap_range",
+                      "persistent_memory", "document_masking"):
+            assert getattr(model_cfg, field) == getattr(preset, field), field
+        assert model_cfg.separator_id == 0
