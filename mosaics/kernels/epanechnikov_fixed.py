@@ -47,7 +47,7 @@ class EpanechnikovFixedKernel(PowerKernel):
     def weights_backward(self, p: Tensor, dp: Tensor, cos: Tensor, beta: Tensor,
                          mask: Tensor) -> tuple[Tensor, Tensor]:
         du = power_normalize_backward(p, dp, self._u(cos, beta, mask), self.r)
-        return du * beta, (du * (cos - 1.0)).sum(dim=(0, 2, 3))
+        return du * beta, (du * (cos - 1.0)).sum_to_size(beta.shape)
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, r={self.r:g}"

@@ -29,12 +29,23 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from ..leaky import chunk_grid, merge_chunks, split_chunks
-from .base import Kernel, KernelState, extend_mask, register_kernel
+from .base import (
+    Kernel,
+    KernelState,
+    attend_plan,
+    bounds_mask,
+    check_attend_args,
+    extend_mask,
+    interval_bounds,
+    register_kernel,
+)
 from .spectral_flow import (
     SpectralFlow,
     SpectralMixturePrior,
+    angle_features,
     elu1_features,
     exp_log_features,
+    projections,
     spectral_kl,
 )
 
@@ -455,16 +466,19 @@ class FSKAKernel(Kernel):
         Training: fresh z ~ N(0, I) and the KL estimate on these samples is stored for
         :meth:`regularization`. Eval: the fixed ``eval_noise`` draw.
         """
-        if self.training:
-            z = torch.randn(self.eval_noise.shape, device=self.eval_noise.device,
-                            dtype=self.flow.w_in.dtype)
-            u, log_q = self.flow.sample(z)
-            u = u.float()
-            self._noise, self._kl = z, spectral_kl(log_q, u, self.prior)
-        else:
-            u = self._unit_frequencies_eval()
-        w = u * beta.float().sqrt().view(-1, 1, 1)
+        w = self.unit_frequencies() * beta.float().sqrt().view(-1, 1, 1)
         return w[..., :self.head_size], w[..., self.head_size:]
+
+    def unit_frequencies(self) -> Tensor:
+        """u = f(z) (H, M, 2 hs) fp32 at unit bandwidth (see :meth:`frequencies`)."""
+        if not self.training:
+            return self._unit_frequencies_eval()
+        z = torch.randn(self.eval_noise.shape, device=self.eval_noise.device,
+                        dtype=self.flow.w_in.dtype)
+        u, log_q = self.flow.sample(z)
+        u = u.float()
+        self._noise, self._kl = z, spectral_kl(log_q, u, self.prior)
+        return u
 
     def features(self, x: Tensor, w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor | None]:
         """Features (B, H, T, M') fp32 and, for the exp map, log g (B, H, T, M).
@@ -511,6 +525,105 @@ class FSKAKernel(Kernel):
             else:
                 y = stable_causal_linear_attention(f, log_g, v, self.chunk_size, self.eps)
         return y.to(values.dtype)
+
+    def attend(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
+               lo: Tensor, hi: Tensor) -> Tensor:
+        """Retrieval over per-query intervals lo[i] <= j <= hi[i] (see :meth:`Kernel.attend`):
+
+            y_i = sum_j k_ij v_j / (sum_j k_ij + eps),   k_ij = g(q_i) . g(k_j),
+
+        in its dense per-row form, chunk by chunk of query rows over the columns each chunk
+        sees (a prefix-sum state cannot drop the entries that leave a window). Every interval
+        and bandwidth is honoured exactly:
+
+        - one bandwidth per head (H,): the features of all queries and keys once, then one
+          (rows, columns) product per chunk; cost O(n (h + chunk) M') for windows of h;
+        - one per query (B or 1, H, n): the frequencies sqrt(beta_i) u differ per query, so
+          the keys' features are recomputed for every (query, key) pair of a chunk: cost
+          O(n (h + chunk) M) sines and cosines (elu1) or exponentials (exp), far more.
+
+        The exp map works relative to each row's largest k_ij (as :meth:`forward` does, so
+        eps acts on the rescaled sum); elu1 on k_ij itself. Frequencies as in
+        :meth:`forward` (fresh in training, fixed in eval); each chunk is recomputed in
+        backward (activation checkpointing).
+        """
+        self._check(queries)
+        beta4 = check_attend_args(queries, keys, values, beta, lo, hi)
+        B, H, n, _ = queries.shape
+        per_query = beta.dim() == 3
+        features = self.feature_dim if per_query else 1
+        plan = attend_plan(lo, hi, keys.shape[2], B * H * features, self.chunk_elements)
+        with torch.autocast(device_type=queries.device.type, enabled=False):
+            u = self.unit_frequencies()
+            u1, u2 = u[..., :self.head_size], u[..., self.head_size:]
+            q, k, v = queries.float(), keys.float(), values.float()
+            if per_query:  # angles at unit bandwidth, scaled per query inside each chunk
+                qa, ka = projections(q, u1, u2), projections(k, u1, u2)
+                scale = beta4.float().sqrt()  # (B or 1, H, n, 1)
+                chunk = self._pair_chunk
+            else:
+                root = beta.float().sqrt().view(-1, 1, 1)
+                qa, ka = self.features(q, u1 * root, u2 * root), self.features(k, u1 * root,
+                                                                               u2 * root)
+                scale = None
+                chunk = self._feature_chunk
+            parts, done = [], 0
+            grad = torch.is_grad_enabled()
+            for a, b, c0, c1 in plan:
+                if a > done:
+                    parts.append(v.new_zeros(B, H, a - done, v.shape[-1]))
+                args = ([x[:, :, a:b] for x in qa if x is not None],
+                        [x[:, :, c0:c1] for x in ka if x is not None], v[:, :, c0:c1],
+                        interval_bounds(lo, a, b, c0), interval_bounds(hi, a, b, c0),
+                        None if scale is None else scale[:, :, a:b])
+                if grad:
+                    parts.append(checkpoint(chunk, *args, use_reentrant=False))
+                else:
+                    parts.append(chunk(*args))
+                done = b
+            if done < n:
+                parts.append(v.new_zeros(B, H, n - done, v.shape[-1]))
+            y = torch.cat(parts, dim=2)
+        return y.to(values.dtype)
+
+    def _feature_chunk(self, q: list[Tensor], k: list[Tensor], v: Tensor, lo: Tensor,
+                       hi: Tensor, scale: None) -> Tensor:
+        """One chunk at a bandwidth per head: q = [features (B, H, rows, M')] plus, for the
+        exp map, [log g], the same for the keys' columns; lo, hi (B or 1, rows) relative to
+        the first column."""
+        mask = bounds_mask(lo, hi, v.shape[2])
+        pairs = q[0] @ k[0].transpose(-1, -2)
+        if self.positive == "elu1":
+            w = torch.where(mask, pairs, 0.0)
+        else:  # k_ij = (f_i . f_j) e^{gamma_i + gamma_j}, relative to the row's largest
+            gq, gk = q[1].detach().amax(-1), k[1].detach().amax(-1)
+            nu = _log_pairs(pairs, gq, gk, mask).amax(-1)
+            w = _pair_weights(pairs, gq, gk, torch.where(torch.isfinite(nu), nu, 0.0), mask)
+        return self._normalized(w, v)
+
+    def _pair_chunk(self, q: list[Tensor], k: list[Tensor], v: Tensor, lo: Tensor, hi: Tensor,
+                    scale: Tensor) -> Tensor:
+        """One chunk at a bandwidth per query: the angles (W_1 x, W_2 x) at unit bandwidth of
+        the chunk's queries (B, H, rows, M) and keys (B, H, cols, M), scale = sqrt(beta_i)
+        (B or 1, H, rows, 1); the keys' features are formed per (query, key) pair."""
+        mask = bounds_mask(lo, hi, v.shape[2])
+        q1, q2 = q[0] * scale, q[1] * scale
+        s = scale.unsqueeze(-1)  # (., H, rows, 1, 1) against keys (B, H, 1, cols, M)
+        k1, k2 = k[0].unsqueeze(2) * s, k[1].unsqueeze(2) * s
+        fq, fk = angle_features(q1, q2, self.positive), angle_features(k1, k2, self.positive)
+        if self.positive == "elu1":
+            w = torch.where(mask, (fk @ fq.unsqueeze(-1)).squeeze(-1), 0.0)
+        else:
+            log_k = torch.logsumexp(fq.unsqueeze(-2) + fk, dim=-1).masked_fill(~mask,
+                                                                               float("-inf"))
+            nu = log_k.detach().amax(-1, keepdim=True)
+            w = torch.exp(log_k - torch.where(torch.isfinite(nu), nu, 0.0))
+        return self._normalized(w, v)
+
+    def _normalized(self, w: Tensor, v: Tensor) -> Tensor:
+        """(w V) / (sum_j w + eps), 0 on rows without weight."""
+        den = (w.sum(-1, keepdim=True) + self.eps).clamp_min(torch.finfo(w.dtype).tiny)
+        return (w @ v) / den
 
     def init_state(self, batch: int, heads: int, head_size: int, device: torch.device,
                    dtype: torch.dtype) -> KernelState:

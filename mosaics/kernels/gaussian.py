@@ -13,13 +13,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from .base import (
     Kernel,
     KernelState,
     append_memory,
+    attend_plan,
     batched_rows,
+    bounds_mask,
+    check_attend_args,
     extend_mask,
+    interval_bounds,
     register_kernel,
     work_precision,
 )
@@ -62,6 +67,44 @@ class GaussianKernel(Kernel):
         weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no memory -> 0
         return (weights @ state["values"].float()).to(values.dtype), state
 
+    def attend(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
+               lo: Tensor, hi: Tensor) -> Tensor:
+        """softmax_j(beta_i cos(q_i, k_j)) over lo[i] <= j <= hi[i] (see :meth:`Kernel.attend`).
+
+        Per chunk of query rows (:func:`~.base.attend_plan`): the fused attention of the
+        scaled queries beta_i q_i against the columns the chunk sees, with a boolean mask
+        (B or 1, 1, rows, columns); see :func:`interval_softmax`. Runs in the dtype of
+        :meth:`forward` (autocast's for the fused attention), with the same dropout.
+
+        Memory: the fused backward keeps each chunk's mask (as float scores on CPU). When
+        all chunks' masks together would exceed ``chunk_elements`` numbers (a gap or the whole
+        past at long T, rather than a short window), each chunk is recomputed in backward
+        instead (activation checkpointing: one more forward per chunk, O(n) saved).
+        """
+        beta4 = check_attend_args(queries, keys, values, beta, lo, hi)
+        B, H, n, _ = queries.shape
+        plan = attend_plan(lo, hi, keys.shape[2], B * H, self.chunk_elements)
+        scale = beta4.to(queries.dtype)
+        drop = self.dropout if self.training else 0.0
+        masks = max(lo.shape[0], hi.shape[0]) * sum((b - a) * (c1 - c0) for a, b, c0, c1 in plan)
+        recompute = masks > self.chunk_elements and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (queries, keys, values, beta))
+        parts, done = [], 0
+        for a, b, c0, c1 in plan:
+            if a > done:
+                parts.append(values.new_zeros(B, H, a - done, values.shape[-1]))
+            args = (queries[:, :, a:b], keys[:, :, c0:c1], values[:, :, c0:c1],
+                    scale if scale.shape[2] == 1 else scale[:, :, a:b],
+                    interval_bounds(lo, a, b, c0), interval_bounds(hi, a, b, c0), drop)
+            if recompute:
+                parts.append(checkpoint(interval_softmax, *args, use_reentrant=False))
+            else:
+                parts.append(interval_softmax(*args))
+            done = b
+        if done < n:
+            parts.append(values.new_zeros(B, H, n - done, values.shape[-1]))
+        return torch.cat(parts, dim=2).to(values.dtype)
+
     def extra_repr(self) -> str:
         return f"name={self.name!r}, causal_block={self.causal_block}"
 
@@ -85,3 +128,22 @@ def decode_softmax(query: Tensor, keys: Tensor, values: Tensor, beta: Tensor) ->
     y = torch.bmm(torch.softmax(scores, dim=-1), batched_rows(work_precision(values)))
     y = y.view(B, H, 1, hv)
     return y if y.dtype == values.dtype else y.to(values.dtype)
+
+
+def interval_softmax(q: Tensor, k: Tensor, v: Tensor, scale: Tensor, lo: Tensor, hi: Tensor,
+                     dropout: float = 0.0) -> Tensor:
+    """softmax_j(scale_i q_i . k_j) v over the columns lo[i] <= j <= hi[i], 0 where none.
+
+    Args:
+        q: (B, H, n, hs); k, v: (B, H, S, hs), (B, H, S, hv); scale: (B or 1, H, n or 1, 1);
+        lo, hi: (B or 1, n) integer bounds relative to k's first column.
+    One fused attention call with a boolean mask (B or 1, 1, n, S). A row that sees nothing
+    gets one column unmasked (the fused kernel returns NaN for a fully masked row) and its
+    output set to 0, so no NaN reaches the gradients either.
+    """
+    mask = bounds_mask(lo, hi, k.shape[2])
+    sees = mask.any(-1, keepdim=True)
+    mask[..., :1] |= ~sees
+    y = F.scaled_dot_product_attention(q * scale, k, v, attn_mask=mask, dropout_p=dropout,
+                                       scale=1.0)
+    return torch.where(sees, y, 0.0)

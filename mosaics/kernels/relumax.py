@@ -10,11 +10,11 @@ Options (``kernel_kwargs``): ``r`` > 0 (default 1), ``b`` > 0 (default 1).
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from .base import register_kernel
 from .epanechnikov_fixed import power_normalize_backward
-from .normalizers import shifted_scores
 from .score_kernel import PowerKernel, check_positive
 
 
@@ -33,13 +33,20 @@ class ReLUMaxKernel(PowerKernel):
                   buffers: tuple[Tensor, Tensor] | None) -> float:
         return -self.b
 
-    def _u(self, z: Tensor, mask: Tensor) -> Tensor:
-        return (self.b + shifted_scores(z, mask)).clamp_min(0.0)  # masked: -inf -> 0
-
-    def score_backward(self, p: Tensor, dp: Tensor, z: Tensor, mask: Tensor) -> Tensor:
-        du = power_normalize_backward(p, dp, self._u(z, mask), self.r)
-        top = z.masked_fill(~mask, float("-inf")).argmax(dim=-1, keepdim=True)
-        return du.scatter_add(-1, top, -du.sum(dim=-1, keepdim=True))
+    def weights_backward(self, p: Tensor, dp: Tensor, cos: Tensor, beta: Tensor,
+                         mask: Tensor) -> tuple[Tensor, Tensor]:
+        """u = [beta (c - m) + b]_+ with m = max c, rounded exactly as :meth:`weights` forms
+        it (so p / u is 1 / N to the last bit: a u recomputed from beta c - max(beta c) is off
+        by ~beta eps, which matters for entries near the edge of the support in fp32)."""
+        masked = cos.masked_fill(~mask, float("-inf"))
+        top = masked.argmax(dim=-1, keepdim=True)
+        m = masked.gather(-1, top)
+        m = torch.where(torch.isfinite(m), m, 0.0)
+        u = ((masked - m) * beta + self.b).clamp_min(0.0)
+        du = power_normalize_backward(p, dp, u, self.r)
+        dbeta = (du * (cos - m)).sum_to_size(beta.shape)
+        du = du.scatter_add(-1, top, -du.sum(dim=-1, keepdim=True))  # m moves with c_top
+        return du * beta, dbeta
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, r={self.r:g}, b={self.b:g}"

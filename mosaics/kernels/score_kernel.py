@@ -26,7 +26,15 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .base import Kernel, KernelState, append_memory, decode_row
+from .base import (
+    Kernel,
+    KernelState,
+    append_memory,
+    attend_plan,
+    check_attend_args,
+    decode_row,
+    interval_mask,
+)
 from .normalizers import BLOCK, block_max, entmax_power, pad_to_block, work_dtype
 
 CHUNK_ELEMENTS = 2**21  # target size of one (B, H, rows, keys) fp32 block, ~8 MB
@@ -45,7 +53,8 @@ class ScoreKernel(Kernel):
 
     # --- what a subclass defines -----------------------------------------------------------
     def score_weights(self, z: Tensor, mask: Tensor) -> Tensor:
-        """(..., n, S) work-dtype scores, (n, S) bool mask -> weights; 0 where masked."""
+        """(..., n, S) work-dtype scores, bool mask broadcastable to them ((n, S) or
+        (B or 1, 1, n, S)) -> weights; 0 where masked."""
         raise NotImplementedError
 
     def score_backward(self, p: Tensor, dp: Tensor, z: Tensor, mask: Tensor) -> Tensor:
@@ -53,7 +62,8 @@ class ScoreKernel(Kernel):
         raise NotImplementedError
 
     def weights(self, cos: Tensor, beta: Tensor, mask: Tensor) -> Tensor:
-        """(B, H, n, S) cosines, (1, H, 1, 1) bandwidth, (n, S) mask -> (B, H, n, S) weights."""
+        """(B, H, n, S) cosines, (1, H, 1, 1) or per-row (B or 1, H, n, 1) bandwidth, (n, S) or
+        (B or 1, 1, n, S) mask -> (B, H, n, S) weights."""
         return self.score_weights(cos * beta, mask)
 
     def row_weights(self, cos: Tensor, beta: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -76,9 +86,10 @@ class ScoreKernel(Kernel):
 
     def weights_backward(self, p: Tensor, dp: Tensor, cos: Tensor, beta: Tensor,
                          mask: Tensor) -> tuple[Tensor, Tensor]:
-        """Gradients (d cos (B, H, n, S), d beta (H,)) given the weights p and dp."""
+        """Gradients (d cos (B, H, n, S), d beta summed to beta's shape: (1, H, 1, 1), or
+        (B or 1, H, n, 1) per row) given the weights p and dp."""
         dz = self.score_backward(p, dp, cos * beta, mask)
-        return dz * beta, (dz * cos).sum(dim=(0, 2, 3))
+        return dz * beta, (dz * cos).sum_to_size(beta.shape)
 
     def retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                   offset: int) -> Tensor:
@@ -104,6 +115,15 @@ class ScoreKernel(Kernel):
         y = retrieve(self, queries, state["keys"], state["values"], beta, offset)
         return y, state
 
+    def attend(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
+               lo: Tensor, hi: Tensor) -> Tensor:
+        """Retrieval over per-query intervals lo[i] <= j <= hi[i] (see :meth:`Kernel.attend`)
+        with a bandwidth per head or per query: chunks of query rows, each over the memory
+        columns its rows can see (:class:`_IntervalRetrieval`)."""
+        beta4 = check_attend_args(queries, keys, values, beta, lo, hi)
+        B, H = queries.shape[:2]
+        plan = attend_plan(lo, hi, keys.shape[2], B * H, self.chunk_elements)
+        return _IntervalRetrieval.apply(queries, keys, values, beta4, lo, hi, self, plan)
 
 def retrieve(kernel: ScoreKernel, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
              offset: int) -> Tensor:
@@ -192,11 +212,81 @@ class _ChunkedRetrieval(torch.autograd.Function):
                 dp = gc @ vc.transpose(-1, -2)
                 dcos, db = kernel.weights_backward(p, dp, cos, bb, mask)
                 dcos = dcos.masked_fill(~mask, 0.0)
-                dbeta += db
+                dbeta += db.reshape(H)
                 dq[:, :, a:b] += dcos @ kc
                 dk[:, :, :width] += dcos.transpose(-1, -2) @ qc
         return (dq.to(queries.dtype), dk.to(keys.dtype), dv.to(values.dtype),
                 dbeta.to(beta.dtype), None, None)
+
+
+class _IntervalRetrieval(torch.autograd.Function):
+    """y_i = sum_j w_ij v_j over the visible columns lo[i] <= j <= hi[i], chunk by chunk of
+    query rows (:func:`~.base.attend_plan`), with the kernel's :meth:`ScoreKernel.weights`
+    and :meth:`ScoreKernel.weights_backward` on (B, H, rows, columns) blocks, masks
+    (B or 1, 1, rows, columns) and bandwidths (B or 1, H, rows or 1, 1).
+
+    Saved: the inputs and the kernels' small per-row states; backward recomputes each chunk's
+    cosines and weights, then dV = W^T dY, dW = dY V^T, (d cos, d beta) from the kernel,
+    dQ = d cos K, dK = d cos^T Q (d cos already holds the bandwidth).
+    """
+
+    @staticmethod
+    def forward(ctx, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor, lo: Tensor,
+                hi: Tensor, kernel: ScoreKernel, plan: list[tuple[int, int, int, int]]) -> Tensor:
+        B, H, n, _ = queries.shape
+        wd = work_dtype(queries.dtype)
+        out = values.new_zeros(B, H, n, values.shape[-1])
+        states: list[Tensor | None] = []
+        with torch.autocast(queries.device.type, enabled=False):
+            q, k, v, bw = queries.to(wd), keys.to(wd), values.to(wd), beta.to(wd)
+            for a, b, c0, c1 in plan:
+                mask = interval_mask(lo, hi, a, b, c0, c1)
+                cos = q[:, :, a:b] @ k[:, :, c0:c1].transpose(-1, -2)
+                p, state = kernel.weights_and_state(cos, _beta_rows(bw, a, b), mask)
+                states.append(state)
+                out[:, :, a:b] = (p @ v[:, :, c0:c1]).to(out.dtype)
+        ctx.kernel, ctx.plan, ctx.states = kernel, plan, states
+        keep = len(plan) == 1 and any(ctx.needs_input_grad[:4])  # one small block: keep it
+        ctx.block = (cos, p) if keep else None
+        ctx.save_for_backward(queries, keys, values, beta, lo, hi)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor):  # noqa: ANN205
+        queries, keys, values, beta, lo, hi = ctx.saved_tensors
+        kernel = ctx.kernel
+        wd = work_dtype(queries.dtype)
+        with torch.autocast(queries.device.type, enabled=False):
+            q, k, v, bw = queries.to(wd), keys.to(wd), values.to(wd), beta.to(wd)
+            go = grad_out.to(wd)
+            dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+            dbeta = torch.zeros_like(bw)
+            for (a, b, c0, c1), state in zip(ctx.plan, ctx.states):
+                mask = interval_mask(lo, hi, a, b, c0, c1)
+                qc, kc, vc, gc = q[:, :, a:b], k[:, :, c0:c1], v[:, :, c0:c1], go[:, :, a:b]
+                bb = _beta_rows(bw, a, b)
+                if ctx.block is not None:
+                    cos, p = ctx.block
+                else:
+                    cos = qc @ kc.transpose(-1, -2)
+                    p = kernel.weights_from_state(cos, bb, mask, state)
+                dv[:, :, c0:c1] += p.transpose(-1, -2) @ gc
+                dcos, db = kernel.weights_backward(p, gc @ vc.transpose(-1, -2), cos, bb, mask)
+                dcos = dcos.masked_fill(~mask, 0.0)
+                if bw.shape[2] > 1:
+                    dbeta[:, :, a:b] += db
+                else:
+                    dbeta += db
+                dq[:, :, a:b] += dcos @ kc
+                dk[:, :, c0:c1] += dcos.transpose(-1, -2) @ qc
+        return (dq.to(queries.dtype), dk.to(keys.dtype), dv.to(values.dtype),
+                dbeta.to(beta.dtype), None, None, None, None)
+
+
+def _beta_rows(beta: Tensor, a: int, b: int) -> Tensor:
+    """Rows a..b-1 of a (B or 1, H, n, 1) per-query bandwidth; a (., H, 1, 1) one as is."""
+    return beta[:, :, a:b] if beta.shape[2] > 1 else beta
 
 
 # ----------------------------------------------------------------------------- power kernels

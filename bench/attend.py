@@ -1,0 +1,100 @@
+"""Kernel.attend with a window against the kernel's full strict-past forward.
+
+For each kernel and length T, on random unit keys (B, H, T, hs) with queries = keys, times
+
+- ``forward``: ``kernel(keys, values, beta)``, the strict past s < t (the baseline);
+- ``attend past``: ``kernel.attend`` with lo = 0, hi = t - 1 (the same weights, through the
+  interval path);
+- ``attend window``: ``kernel.attend`` with lo = t - h + 1, hi = t - 1 (the short-term memory
+  of Memory Mosaics v2, h - 1 visible entries);
+- ``attend gap``: ``kernel.attend`` with lo = 0, hi = t - m (the long-term memory, m = 64);
+
+forward alone and forward + backward (gradients of keys, values and beta), and prints each
+time with its ratio to ``forward`` measured in the same process. Time: the fastest of
+``--repeats`` runs, methods interleaved per round so that slow spells of a shared machine
+hit all of them alike; ``--clock cpu`` counts the process's CPU time instead of the wall clock
+(with one thread: the work done, not the waiting on a shared machine).
+
+    OMP_NUM_THREADS=1 python bench/attend.py
+    OMP_NUM_THREADS=1 python bench/attend.py --lengths 1024 4096 --window 256 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mosaics.kernels import Kernel, get_kernel
+
+
+def unit_keys(B: int, H: int, T: int, hs: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(B, H, 1, hs, generator=g)
+    return F.normalize(base + torch.randn(B, H, T, hs, generator=g), dim=-1)
+
+
+def timed(kernel: Kernel, keys: torch.Tensor, values: torch.Tensor, beta: torch.Tensor,
+          bounds: tuple[torch.Tensor, torch.Tensor] | None, backward: bool,
+          clock: Callable[[], float]) -> float:
+    """Seconds of one forward (bounds None) or attend call (bounds (lo, hi)), and its backward."""
+    start = clock()
+    if bounds is None:
+        out = kernel(keys, values, beta)
+    else:
+        out = kernel.attend(keys, keys, values, beta, *bounds)
+    if backward:
+        out.sum().backward()
+    return clock() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernels", nargs="+", default=["gaussian", "epanechnikov"])
+    parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 4096])
+    parser.add_argument("--window", type=int, default=256, help="h: entries t-h+1 .. t-1")
+    parser.add_argument("--gap", type=int, default=64, help="m: entries 0 .. t-m")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-size", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: the process's CPU time (steadier on a loaded machine; "
+                        "use with one thread)")
+    args = parser.parse_args()
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    print(f"threads {torch.get_num_threads()}, B {args.batch}, H {args.heads}, "
+          f"hs {args.head_size}, window h {args.window}, gap m {args.gap}; "
+          "seconds (ratio to forward)")
+    header = f"{'kernel':<14}{'T':>6}  {'pass':<10}" + "".join(
+        f"{name:>22}" for name in ("forward", "attend past", "attend window", "attend gap"))
+    print(header)
+    for name in args.kernels:
+        kernel = get_kernel(name)
+        for T in args.lengths:
+            keys = unit_keys(args.batch, args.heads, T, args.head_size).requires_grad_()
+            values = torch.randn(keys.shape).requires_grad_()
+            beta = torch.full((args.heads,), 7.39, requires_grad=True)
+            t = torch.arange(T).view(1, T)
+            zero = torch.zeros_like(t)
+            methods = {"forward": None, "attend past": (zero, t - 1),
+                       "attend window": (t - args.window + 1, t - 1),
+                       "attend gap": (zero, t - args.gap)}
+            for backward in (False, True):
+                best = dict.fromkeys(methods, float("inf"))
+                for _ in range(args.repeats):
+                    for method, bounds in methods.items():
+                        with torch.set_grad_enabled(backward):
+                            seconds = timed(kernel, keys, values, beta, bounds, backward, clock)
+                        best[method] = min(best[method], seconds)
+                base = best["forward"]
+                cells = "".join(f"{best[m]:>13.4f} ({best[m] / base:4.2f})" for m in methods)
+                print(f"{name:<14}{T:>6}  {'fwd+bwd' if backward else 'fwd':<10}{cells}",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
