@@ -3,11 +3,13 @@
 For each kernel and length T, on random unit keys (B, H, T, hs) with queries = keys, times
 
 - ``forward``: ``kernel(keys, values, beta)``, the strict past s < t (the baseline);
-- ``attend past``: ``kernel.attend`` with lo = 0, hi = t - 1 (the same weights, through the
-  interval path);
-- ``attend window``: ``kernel.attend`` with lo = t - h + 1, hi = t - 1 (the short-term memory
-  of Memory Mosaics v2, h - 1 visible entries);
-- ``attend gap``: ``kernel.attend`` with lo = 0, hi = t - m (the long-term memory, m = 64);
+- ``past``: ``kernel.attend`` with lo = 0, hi = t - 1 (the same weights; intervals 0..t+d
+  with one bandwidth per head take the kernels' strict-past paths);
+- ``window``: lo = t - h + 1, hi = t - 1 (the short-term memory of Memory Mosaics v2, h - 1
+  visible entries): the chunked interval path;
+- ``gap``: lo = 0, hi = t - m (the long-term memory, m = 64);
+- ``window, beta_i`` and ``gap, beta_i``: the same with one bandwidth per query (the adaptive
+  bandwidth of v2; all equal here), which always takes the chunked interval path;
 
 forward alone and forward + backward (gradients of keys, values and beta), and prints each
 time with its ratio to ``forward`` measured in the same process. Time: the fastest of
@@ -69,9 +71,8 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}, B {args.batch}, H {args.heads}, "
           f"hs {args.head_size}, window h {args.window}, gap m {args.gap}; "
           "seconds (ratio to forward)")
-    header = f"{'kernel':<14}{'T':>6}  {'pass':<10}" + "".join(
-        f"{name:>22}" for name in ("forward", "attend past", "attend window", "attend gap"))
-    print(header)
+    names = ("forward", "past", "window", "gap", "window, beta_i", "gap, beta_i")
+    print(f"{'kernel':<14}{'T':>6}  {'pass':<8}" + "".join(f"{name:>18}" for name in names))
     for name in args.kernels:
         kernel = get_kernel(name)
         for T in args.lengths:
@@ -80,19 +81,23 @@ def main() -> None:
             beta = torch.full((args.heads,), 7.39, requires_grad=True)
             t = torch.arange(T).view(1, T)
             zero = torch.zeros_like(t)
-            methods = {"forward": None, "attend past": (zero, t - 1),
-                       "attend window": (t - args.window + 1, t - 1),
-                       "attend gap": (zero, t - args.gap)}
+            per_query = beta.detach().view(1, -1, 1).expand(args.batch, -1, T).contiguous()
+            per_query.requires_grad_()
+            window, gap = (t - args.window + 1, t - 1), (zero, t - args.gap)
+            methods = {"forward": (None, beta), "past": ((zero, t - 1), beta),
+                       "window": (window, beta), "gap": (gap, beta),
+                       "window, beta_i": (window, per_query), "gap, beta_i": (gap, per_query)}
             for backward in (False, True):
                 best = dict.fromkeys(methods, float("inf"))
                 for _ in range(args.repeats):
-                    for method, bounds in methods.items():
+                    for method, (bounds, bandwidth) in methods.items():
                         with torch.set_grad_enabled(backward):
-                            seconds = timed(kernel, keys, values, beta, bounds, backward, clock)
+                            seconds = timed(kernel, keys, values, bandwidth, bounds, backward,
+                                            clock)
                         best[method] = min(best[method], seconds)
                 base = best["forward"]
-                cells = "".join(f"{best[m]:>13.4f} ({best[m] / base:4.2f})" for m in methods)
-                print(f"{name:<14}{T:>6}  {'fwd+bwd' if backward else 'fwd':<10}{cells}",
+                cells = "".join(f"{best[m]:>10.4f} ({best[m] / base:4.2f})" for m in methods)
+                print(f"{name:<14}{T:>6}  {'fwd+bwd' if backward else 'fwd':<8}{cells}",
                       flush=True)
 
 

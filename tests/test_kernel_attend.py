@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mosaics.kernels import available_kernels, get_kernel
-from mosaics.kernels.base import Kernel, attend_plan
+from mosaics.kernels.base import Kernel, attend_plan, causal_offset
 from mosaics.kernels.spectral_flow import angle_features, projections
 
 entmax_pkg = pytest.importorskip("entmax")
@@ -157,12 +157,16 @@ def make_case(case: str, dtype=torch.float64, seed: int = 0):
         hi = torch.tensor([[12, 7, 8, 12, 12]])
         beta = 1.0 + 10.0 * torch.rand(1, H, 5, generator=torch.Generator().manual_seed(4),
                                        dtype=torch.float64).to(dtype)
+    elif case == "memory_and_new":  # decoding: query i sees the 9 stored entries and i new ones
+        queries = unit(B, H, 5, HS, seed=seed + 8, dtype=dtype)
+        lo, hi = torch.full((1, 5), -2), 8 + positions(5)
     else:
         raise KeyError(case)
     return queries, keys, values, beta, lo, hi
 
 
-CASES = ["strict_past", "window", "gap", "documents", "per_query_beta", "empty_rows", "decode"]
+CASES = ["strict_past", "window", "gap", "documents", "per_query_beta", "empty_rows", "decode",
+         "memory_and_new"]
 
 
 def tolerance(name: str) -> dict:
@@ -207,6 +211,9 @@ def test_strict_past_equals_forward(name, kwargs, dtype):
     want = kernel(keys, values, beta)
     assert got.dtype == dtype
     atol = 1e-12 if dtype == torch.float64 and name != "fska" else 2e-6
+    torch.testing.assert_close(got, want, atol=atol, rtol=1e-5)
+    per_query = beta.view(1, H, 1).expand(B, H, 37)  # the interval path, not the causal one
+    got = kernel.attend(keys, keys, values, per_query, torch.zeros_like(i), i - 1)
     torch.testing.assert_close(got, want, atol=atol, rtol=1e-5)
     if name != "fska":  # whole rows, gradients included
         ks, vs, bs = (x.clone().requires_grad_() for x in (keys, values, beta))
@@ -308,6 +315,16 @@ def test_low_precision_and_autocast(name):
     assert torch.isfinite(k16.grad.float()).all() and torch.isfinite(v16.grad.float()).all()
 
 
+def test_causal_offset_recognizes_the_strict_past_and_gaps():
+    i = positions(6)
+    assert causal_offset(torch.zeros_like(i), i - 1) == -1
+    assert causal_offset(torch.full((2, 6), -4), (i + 3).expand(2, 6)) == 3
+    assert causal_offset(i - 3, i - 1) is None  # a window
+    hi = (i - 1).repeat(2, 1)
+    hi[1, 4] = 2
+    assert causal_offset(torch.zeros_like(i), hi) is None
+
+
 def test_window_chunks_see_only_their_columns():
     """A window of h entries: every chunk spans at most h + rows - 1 memory columns."""
     T, h = 4096, 256
@@ -320,7 +337,7 @@ def test_window_chunks_see_only_their_columns():
     assert 8 * rows * (h + rows) <= 2**18
 
 
-@pytest.mark.parametrize("pattern", ["window", "gap"])
+@pytest.mark.parametrize("pattern", ["window", "gap", "documents"])
 @pytest.mark.parametrize("name", ["gaussian", "epanechnikov", "gaussian_knn",
                                   "epanechnikov_fixed", "fska"])
 def test_backward_saves_no_quadratic_tensor(name, pattern):
@@ -339,7 +356,8 @@ def test_backward_saves_no_quadratic_tensor(name, pattern):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lo, hi = (i - h + 1, i - 1) if pattern == "window" else (torch.zeros_like(i), i - h)
+        lo, hi = {"window": (i - h + 1, i - 1), "gap": (torch.zeros_like(i), i - h),
+                  "documents": (documents(T, [[0, 300, 700]]), i - 1)}[pattern]
         out = kernel.attend(keys, keys, values, beta, lo, hi)
     assert sum(saved.values()) < T * T, (name, sum(saved.values()))  # < T^2 / 4 fp32 numbers
     out.sum().backward()

@@ -332,6 +332,17 @@ def attend_plan(lo: Tensor, hi: Tensor, S: int, batch_heads: int,
     return plan
 
 
+def causal_offset(lo: Tensor, hi: Tensor) -> int | None:
+    """d when every query i (of every batch row) sees exactly the entries 0..i+d, i.e.
+    lo <= 0 and hi[i] = i + d (the strict past: d = -1, a gap of m: d = -m); else None.
+    Kernels answer such intervals with their strict-past paths."""
+    if lo.shape[1] == 0:
+        return None
+    offset = hi - torch.arange(hi.shape[1], device=hi.device)
+    same = (offset == offset[:1, :1]).all() & (lo <= 0).all()
+    return int(offset[0, 0]) if bool(same) else None
+
+
 def interval_bounds(bound: Tensor, a: int, b: int, c0: int) -> Tensor:
     """Rows a..b-1 of (B or 1, n) interval bounds, relative to memory column c0."""
     return bound[:, a:b] - c0

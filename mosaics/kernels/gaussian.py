@@ -22,6 +22,7 @@ from .base import (
     attend_plan,
     batched_rows,
     bounds_mask,
+    causal_offset,
     check_attend_args,
     extend_mask,
     interval_bounds,
@@ -76,16 +77,23 @@ class GaussianKernel(Kernel):
         (B or 1, 1, rows, columns); see :func:`interval_softmax`. Runs in the dtype of
         :meth:`forward` (autocast's for the fused attention), with the same dropout.
 
+        Intervals 0..i+d with d <= 0 (the strict past, a gap of -d) take the causal path of
+        :meth:`forward` instead: rows -d.. against the keys before them with a causal mask,
+        no mask tensor at all.
+
         Memory: the fused backward keeps each chunk's mask (as float scores on CPU). When
-        all chunks' masks together would exceed ``chunk_elements`` numbers (a gap or the whole
-        past at long T, rather than a short window), each chunk is recomputed in backward
-        instead (activation checkpointing: one more forward per chunk, O(n) saved).
+        all chunks' masks together would exceed ``chunk_elements`` numbers (long documents,
+        rather than a short window), each chunk is recomputed in backward instead
+        (activation checkpointing: one more forward per chunk, O(n) saved).
         """
         beta4 = check_attend_args(queries, keys, values, beta, lo, hi)
         B, H, n, _ = queries.shape
-        plan = attend_plan(lo, hi, keys.shape[2], B * H, self.chunk_elements)
         scale = beta4.to(queries.dtype)
         drop = self.dropout if self.training else 0.0
+        offset = causal_offset(lo, hi)
+        if offset is not None and offset <= 0:
+            return self._causal_attend(queries, keys, values, scale, -offset, drop)
+        plan = attend_plan(lo, hi, keys.shape[2], B * H, self.chunk_elements)
         masks = max(lo.shape[0], hi.shape[0]) * sum((b - a) * (c1 - c0) for a, b, c0, c1 in plan)
         recompute = masks > self.chunk_elements and torch.is_grad_enabled() and any(
             t.requires_grad for t in (queries, keys, values, beta))
@@ -104,6 +112,21 @@ class GaussianKernel(Kernel):
         if done < n:
             parts.append(values.new_zeros(B, H, n - done, values.shape[-1]))
         return torch.cat(parts, dim=2).to(values.dtype)
+
+    def _causal_attend(self, queries: Tensor, keys: Tensor, values: Tensor, scale: Tensor,
+                       gap: int, dropout: float) -> Tensor:
+        """Query i sees the entries 0..i-gap (gap >= 0): queries gap.. against keys
+        0..n-gap-1 with a causal mask (top-left aligned: row r sees j <= r); rows < gap are 0.
+        ``scale``: (B or 1, H, n or 1, 1) bandwidths."""
+        B, H, n, _ = queries.shape
+        hv = values.shape[-1]
+        width = min(keys.shape[2], n - gap)
+        if width <= 0:
+            return values.new_zeros(B, H, n, hv)
+        q = queries[:, :, gap:] * (scale if scale.shape[2] == 1 else scale[:, :, gap:])
+        y = causal_attention(q, keys[:, :, :width], values[:, :, :width], scale=1.0,
+                             dropout_p=dropout, block=self.causal_block)
+        return F.pad(y, (0, 0, gap, 0)).to(values.dtype)
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, causal_block={self.causal_block}"

@@ -31,6 +31,7 @@ from .base import (
     KernelState,
     append_memory,
     attend_plan,
+    causal_offset,
     check_attend_args,
     decode_row,
     interval_mask,
@@ -119,8 +120,14 @@ class ScoreKernel(Kernel):
                lo: Tensor, hi: Tensor) -> Tensor:
         """Retrieval over per-query intervals lo[i] <= j <= hi[i] (see :meth:`Kernel.attend`)
         with a bandwidth per head or per query: chunks of query rows, each over the memory
-        columns its rows can see (:class:`_IntervalRetrieval`)."""
+        columns its rows can see (:class:`_IntervalRetrieval`). Intervals 0..i+d with one
+        bandwidth per head (the strict past, a gap) take the kernel's strict-past path,
+        :func:`retrieve` with offset d."""
         beta4 = check_attend_args(queries, keys, values, beta, lo, hi)
+        if beta.dim() == 1:
+            offset = causal_offset(lo, hi)
+            if offset is not None:
+                return retrieve(self, queries, keys, values, beta, offset)
         B, H = queries.shape[:2]
         plan = attend_plan(lo, hi, keys.shape[2], B * H, self.chunk_elements)
         return _IntervalRetrieval.apply(queries, keys, values, beta4, lo, hi, self, plan)
