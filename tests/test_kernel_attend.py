@@ -160,13 +160,17 @@ def make_case(case: str, dtype=torch.float64, seed: int = 0):
     elif case == "memory_and_new":  # decoding: query i sees the 9 stored entries and i new ones
         queries = unit(B, H, 5, HS, seed=seed + 8, dtype=dtype)
         lo, hi = torch.full((1, 5), -2), 8 + positions(5)
+    elif case == "more_queries_than_entries":  # n = 13 > S = 5, a gap of 2: last rows see all
+        keys, values = keys[:, :, :5], values[:, :, :5]
+        queries = unit(B, H, T, HS, seed=seed + 9, dtype=dtype)
+        lo, hi = torch.full((1, T), -1), i - 2
     else:
         raise KeyError(case)
     return queries, keys, values, beta, lo, hi
 
 
 CASES = ["strict_past", "window", "gap", "documents", "per_query_beta", "empty_rows", "decode",
-         "memory_and_new"]
+         "memory_and_new", "more_queries_than_entries"]
 
 
 def tolerance(name: str) -> dict:
