@@ -138,10 +138,16 @@ def test_merged_tables_from_result_files(tmp_path):
         for size, acc in [(100, 0.6), (1000, 0.9)]:
             _fake_regbench(tmp_path, sweep.make_job("regbench", "gpt2", seed, size, "cpu"),
                            acc + seed / 10)
+    _fake_extrapolation(tmp_path, sweep.make_job("sort", "mosaics-v2/gaussian", 0,
+                                                 preset="cpu"), 0.25)
     text = sweep.summarize(tmp_path)
-    assert "| mosaics/gaussian | 0.600 ± 0.141 (2) | 0.300 ± 0.071 (2) |" in text
-    assert "| llama | 1.000 | 0.500 |" in text
-    assert "| gpt2 | 0.650 ± 0.071 (2) / 0.350 ± 0.071 (2) |" in text
+    # the paper's numbers in parentheses (Sort at 1x and 2x), wall minutes last
+    assert "| mosaics/gaussian | 0.600 ± 0.141 (2) (1.00) | 0.300 ± 0.071 (2) (0.06) | 0.0 |" \
+        in text
+    assert "| llama | 1.000 (1.00) | 0.500 (0.00) | 0.0 |" in text
+    assert "| mosaics-v2/gaussian | 0.250 | 0.125 | 0.0 |" in text  # not in the paper
+    assert "| gpt2 | 0.650 ± 0.071 (2) / 0.350 ± 0.071 (2) | 0.950 ± 0.071 (2) / 0.050 ± " \
+        "0.071 (2) (0.545 / 0.626) | 0.0 |" in text
     assert "| in-context 2-gram | 0.805 ± 0.007 (2) / 0.300 ± 0.000 (2) |" in text
     assert (tmp_path / "summary.md").read_text() == text
     assert (tmp_path / "sort-cpu.png").stat().st_size > 0
@@ -164,3 +170,16 @@ def test_tiny_sweep_end_to_end_with_two_processes(tmp_path):
     assert any("val/exact_match" in r for r in rows)
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert again.returncode == 0 and "2 already done, 0 to run" in again.stdout
+
+
+def test_paper_rows_and_cells():
+    from mosaics.evaluation import paper
+
+    assert paper.paper_row("mosaics/gaussian_knn (k=32)") == "gaussian_knn"
+    assert paper.paper_row("llama") == paper.paper_row("gpt2") == "transformer"
+    assert paper.paper_row("mosaics-v2/gaussian") is None
+    assert paper.extrapolation_cell("sort", "mosaics/epanechnikov", 128) == 0.92
+    assert paper.extrapolation_cell("mqmtar", "mosaics/triweight", 64 * 64) == 0.25
+    assert paper.extrapolation_cell("sort", "mosaics/epanechnikov", 100) is None
+    assert paper.regbench_cell("mosaics/biweight", 5000) == (0.947, 0.166)
+    assert paper.regbench_cell("mosaics/biweight", 2500) is None

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from . import paper
 from .models import MOSAICS_ARCHS, is_mosaics
 
 TASKS = ("regbench", "sort", "mqmtar")
@@ -383,26 +384,43 @@ def regbench_rows(records: list[dict[str, Any]]) -> dict[str, Any]:
                     baselines[name][key].append(score[key])
     return {"runs": runs, "baselines": {name: {k: float(np.mean(v)) for k, v in s.items()}
                                         for name, s in baselines.items()},
-            "baseline_values": {name: dict(s) for name, s in baselines.items()}}
+            "baseline_values": {name: dict(s) for name, s in baselines.items()},
+            "seconds": _job_seconds(records)}
 
 
 def regbench_markdown(merged: dict[str, Any]) -> str:
-    """Accuracy / TVD per model x training size (mean ± std over seeds), n-gram rows below."""
+    """Accuracy / TVD per model x training size (mean ± std over seeds; the paper's in
+    parentheses where it has one), n-gram rows below, wall minutes per model."""
     runs = merged["runs"]
     sizes = sorted({r["size"] for r in runs})
-    header = ["model"] + [f"n={s} accuracy / TVD" for s in sizes]
+    header = ["model"] + [f"n={s} accuracy / TVD" for s in sizes] + ["minutes"]
     rows = []
     for label in dict.fromkeys(r["label"] for r in runs):
         cells = []
         for size in sizes:
             mine = [r for r in runs if r["label"] == label and r["size"] == size]
-            cells.append(f"{_cell([r['accuracy'] for r in mine])} / "
-                         f"{_cell([r['tvd'] for r in mine])}" if mine else "-")
-        rows.append([label, *cells])
+            cell = (f"{_cell([r['accuracy'] for r in mine])} / "
+                    f"{_cell([r['tvd'] for r in mine])}" if mine else "-")
+            ref = paper.regbench_cell(label, size)
+            cells.append(cell if ref is None else f"{cell} ({ref[0]:.3f} / {ref[1]:.3f})")
+        rows.append([label, *cells, _minutes(label, merged.get("seconds", {}))])
     for name, values in merged["baseline_values"].items():
         cell = f"{_cell(values['accuracy'])} / {_cell(values['tvd'])}"
-        rows.append([name, *[cell] * len(sizes)])
+        rows.append([name, *[cell] * len(sizes), "-"])
     return _markdown(header, rows)
+
+
+def _minutes(label: str, seconds: dict[str, list[float]]) -> str:
+    """Wall minutes of a model's jobs (mean over its jobs)."""
+    values = seconds.get(label)
+    return f"{np.mean(values) / 60:.1f}" if values else "-"
+
+
+def _job_seconds(records: list[dict[str, Any]]) -> dict[str, list[float]]:
+    seconds: dict[str, list[float]] = defaultdict(list)
+    for rec in records:
+        seconds[rec["job"]["label"]].append(float(rec.get("seconds", 0.0)))
+    return dict(seconds)
 
 
 def extrapolation_rows(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -410,20 +428,24 @@ def extrapolation_rows(records: list[dict[str, Any]]) -> dict[str, Any]:
     runs = [{**run, "label": rec["job"]["label"], "seed": rec["job"]["seed"]}
             for rec in records for run in rec["results"]["runs"]]
     lengths = sorted({int(n) for rec in records for n in rec["results"]["lengths"]})
-    return {"task": records[0]["job"]["task"], "lengths": lengths, "runs": runs}
+    return {"task": records[0]["job"]["task"], "lengths": lengths, "runs": runs,
+            "seconds": _job_seconds(records)}
 
 
 def extrapolation_markdown(merged: dict[str, Any]) -> str:
-    """Exact match per model x test length (mean ± std over seeds)."""
-    header = ["model"] + [f"len {n}" for n in merged["lengths"]]
+    """Exact match per model x test length (mean ± std over seeds), the paper's value in
+    parentheses where it has one, and the wall minutes of each model's jobs."""
+    header = ["model"] + [f"len {n}" for n in merged["lengths"]] + ["minutes"]
     rows = []
     for label in dict.fromkeys(r["label"] for r in merged["runs"]):
         mine = [r for r in merged["runs"] if r["label"] == label]
         cells = []
         for n in merged["lengths"]:
             values = [r["exact_match"][str(n)] for r in mine if str(n) in r["exact_match"]]
-            cells.append(_cell(values) if values else "-")
-        rows.append([label, *cells])
+            cell = _cell(values) if values else "-"
+            ref = paper.extrapolation_cell(merged["task"], label, n)
+            cells.append(cell if ref is None else f"{cell} ({ref:.2f})")
+        rows.append([label, *cells, _minutes(label, merged.get("seconds", {}))])
     return _markdown(header, rows)
 
 
