@@ -1,10 +1,10 @@
 """Leaky averages: kbar_t = x_t + lambda * kbar_{t-1}, computed exactly in chunks.
 
 The reference builds a T x T decay matrix on every call (O(T^2 d)). Here a sequence is cut
-into chunks of C positions: inside a chunk a C x C decay matrix does the work, and the sums
-at chunk ends are carried across chunks by a second, (T/C) x (T/C), leaky average with decay
-lambda^C. Cost O(T (C + T/C) d) with no Python loop over time. The chunking helpers below
-are shared with FSKA's chunked linear attention.
+into chunks of C positions: inside a chunk the recursion runs position by position on all
+chunks at once (C - 1 in-place ops), and the sums at chunk ends are carried across chunks by
+a (T/C) x (T/C) leaky average with decay lambda^C: O((T + (T/C)^2) d) work in C + 9 ops.
+The chunking helpers below are shared with FSKA's chunked linear attention.
 """
 
 from __future__ import annotations
@@ -51,16 +51,23 @@ def _decay_matrix(a: Tensor, n: int, stride: int = 1) -> Tensor:
 
 def _chunked_scan(x: Tensor, a: Tensor, chunk: int, reverse: bool = False) -> Tensor:
     """out_t = x_t + lambda out_{t-1} (or out_t = x_t + lambda out_{t+1} with ``reverse``),
-    zero outside [0, T), for (B, H, T, D) x and (H,) log-decay a of x's dtype."""
-    H, T = x.shape[1], x.shape[2]
+    zero outside [0, T), for (B, H, T, D) x and (H,) log-decay a of x's dtype.
+
+    Inside a chunk the recursion runs one position at a time, in place on a copy of x: C - 1
+    ``addcmul_`` over (B, H, n, D) slices, one pass over the data in all. The C x C decay
+    matrix product it replaces ran as B H n tiny GEMMs: 0.73-3.3 ms against 0.50 ms at
+    (8, 8, 256, 32), 8.6-21 ms against 4.3 ms at (4, 12, 1024, 64), one scan, 1 thread, C 16.
+    """
+    B, H, T, D = x.shape
     C, n = chunk_grid(T, chunk)
-    xc = split_chunks(x, C, n)  # zeros past the end change neither direction inside [0, T)
-    within_decay = _decay_matrix(a, C)
-    if reverse:
-        within_decay = within_decay.transpose(-1, -2)
-    # (H, 1, C, C) @ (B, H, n, C, D): batched small GEMMs, no permuted copies (an einsum here
-    # measured 1-3% slower per training step)
-    within = torch.matmul(within_decay[:, None], xc)
+    out = x.new_empty(B, H, n * C, D)
+    out[:, :, :T].copy_(x)
+    if n * C > T:  # zeros past the end change neither direction inside [0, T)
+        out[:, :, T:].zero_()
+    within = out.view(B, H, n, C, D)
+    lam = torch.exp(-a).view(1, H, 1, 1)
+    for i in range(C - 2, -1, -1) if reverse else range(1, C):
+        within.select(3, i).addcmul_(within.select(3, i + 1 if reverse else i - 1), lam)
     if n > 1:
         # the full sums at chunk ends (starts, in reverse), carried across chunks with lambda^C
         across = _decay_matrix(a, n, stride=C)
@@ -74,7 +81,7 @@ def _chunked_scan(x: Tensor, a: Tensor, chunk: int, reverse: bool = False) -> Te
             enter = F.pad(carried[:, :, :-1], (0, 0, 1, 0))
         ramp = torch.exp(-a.view(H, 1) * steps)
         within.addcmul_(enter.unsqueeze(3), ramp.view(1, H, 1, C, 1))
-    return merge_chunks(within, T)
+    return out[:, :, :T] if n * C > T else out
 
 
 class _LeakyAverage(torch.autograd.Function):
