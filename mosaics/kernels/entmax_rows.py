@@ -16,21 +16,21 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-TOP_K = 32  # candidates taken at once; more only when a row has more within reach of its max
-
 
 def top_candidates(z: Tensor, width: float) -> tuple[Tensor, Tensor]:
     """(z - row max, index) of the c largest entries of each row (..., S), sorted descending,
-    with every entry within ``width`` of its row max among them: one ``topk`` of
-    min(S, TOP_K), and a second, wider one only when some row has more such entries."""
-    k = min(z.shape[-1], TOP_K)
-    values, index = z.topk(k, dim=-1)
-    values = values - values[..., :1]
-    if k < z.shape[-1] and bool((values[..., -1] > -width).any()):
-        c = int((z > z.amax(dim=-1, keepdim=True) - width).sum(dim=-1).amax())
-        values, index = z.topk(c, dim=-1)
-        values = values - values[..., :1]
-    return values, index
+    where c is the largest number of entries within ``width`` of their row max over the rows:
+    every entry that can have weight is among them.
+
+    Counting first and then taking one ``topk`` of exactly c beat a first ``topk`` of 32 with
+    a wider one when a row has more candidates (one host sync either way): per decoding row
+    solve, 1 thread, 4 rows of 640 entries, 37 against 56 us with 1-4 candidates, 55 against
+    82 us with ~100 (the repeated tokens of greedy decoding); 32 rows: 148 against 242 us.
+    """
+    top = z.amax(dim=-1, keepdim=True)
+    c = int((z > top - width).sum(dim=-1).amax())
+    values, index = z.topk(c, dim=-1)
+    return values - top, index
 
 
 @functools.lru_cache(maxsize=64)
@@ -46,8 +46,8 @@ def sparsemax_top(z: Tensor) -> tuple[Tensor, Tensor]:
     with equality at the support size."""
     srt, index = top_candidates(z, 1.0)
     ranks = _ranks(srt.shape[-1], srt.device, srt.dtype)
-    tau = ((srt.cumsum(dim=-1) - 1.0) / ranks).amax(dim=-1, keepdim=True)
-    return (srt - tau).clamp_min(0.0), index
+    tau = srt.cumsum(dim=-1).sub_(1.0).div_(ranks).amax(dim=-1, keepdim=True)
+    return (srt - tau).clamp_min_(0.0), index
 
 
 def entmax15_top(z: Tensor) -> tuple[Tensor, Tensor]:
