@@ -161,3 +161,20 @@ def test_regbench_merge(regbench_run, tmp_path, capsys):
         main(["--merge", str(out / "results.json"), str(tmp_path / "other.json"),
               "--out", str(tmp_path / "bad")])
     assert "different test sets" in capsys.readouterr().err
+
+
+def test_compare_loss_table_and_plot(tmp_path, capsys):
+    paths = []
+    for name, level in [("a", 2.0), ("b", 1.0)]:
+        loss = list(level + np.linspace(1.0, 0.0, 40))
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"loss": float(np.mean(loss)), "perplexity": 3.0,
+                                    "block_size": 40, "loss_by_position": loss}))
+        paths.append(f"{name}={path}")
+    _cli("compare_loss")([*paths, "--out", str(tmp_path / "cmp.png")])
+    out = capsys.readouterr().out
+    assert "| a | 40 | 2.500 | 3.00 | 2.962 | 2.500 | 2.038 |" in out
+    assert "| b | 40 | 1.500 |" in out
+    assert (tmp_path / "cmp.png").stat().st_size > 0
+    with pytest.raises(SystemExit):
+        _cli("compare_loss")([f"c={tmp_path / 'missing.json'}"])

@@ -82,19 +82,30 @@ def plot_extrapolation(results: dict[str, Any], path: str | Path) -> Path:
     return _save(fig, path)
 
 
-def plot_loss_by_position(loss_by_position: list[float], path: str | Path,
-                          title: str = "loss by position") -> Path:
-    """Mean next-token loss at each position of the window (position t predicts token t), with
-    its average over logarithmic bins of positions (the trend a few windows leave noisy)."""
-    loss = np.asarray(loss_by_position, dtype=float)
-    pos = np.arange(1, len(loss) + 1)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(pos, loss, linewidth=0.6, alpha=0.35, label="per position")
+def _log_bins(loss: np.ndarray) -> tuple[list[float], list[float]]:
+    """Centers and means of logarithmic bins of positions 1..len(loss)."""
     edges = np.unique(np.geomspace(1, len(loss) + 1, num=24).astype(int))
-    centers = [np.sqrt(lo * (hi - 1)) for lo, hi in zip(edges[:-1], edges[1:])]
-    means = [loss[lo - 1:hi - 1].mean() for lo, hi in zip(edges[:-1], edges[1:])]
-    ax.plot(centers, means, marker="o", linewidth=2, label="log-binned mean")
-    ax.legend()
+    centers = [float(np.sqrt(lo * (hi - 1))) for lo, hi in zip(edges[:-1], edges[1:])]
+    means = [float(loss[lo - 1:hi - 1].mean()) for lo, hi in zip(edges[:-1], edges[1:])]
+    return centers, means
+
+
+def plot_loss_by_position(loss_by_position: list[float] | dict[str, list[float]],
+                          path: str | Path, title: str = "loss by position") -> Path:
+    """Mean next-token loss at each position of the window (position t predicts token t), with
+    its average over logarithmic bins of positions (the trend a few windows leave noisy).
+    A dict {label: losses} draws the binned means of several models on one figure."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if isinstance(loss_by_position, dict):
+        for label, values in loss_by_position.items():
+            centers, means = _log_bins(np.asarray(values, dtype=float))
+            ax.plot(centers, means, marker="o", linewidth=2, label=label)
+    else:
+        loss = np.asarray(loss_by_position, dtype=float)
+        ax.plot(np.arange(1, len(loss) + 1), loss, linewidth=0.6, alpha=0.35,
+                label="per position")
+        ax.plot(*_log_bins(loss), marker="o", linewidth=2, label="log-binned mean")
+    ax.legend(fontsize=8)
     ax.set_xscale("log")
     ax.set_xlabel("position in window")
     ax.set_ylabel("mean loss (nats)")
