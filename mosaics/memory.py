@@ -35,7 +35,7 @@ from .kernels.base import append_along_time
 from .kernels.causal_attention import blocked_attention_available
 from .leaky import continue_leaky_sum, decay_rate, leaky_average
 from .memory_v2 import AdaptiveBandwidth, GatedKeys, Positions, visible_interval
-from .unit_norm import unit_vectors
+from .unit_norm import unit_forward, unit_vectors
 
 LEVELS = ("all", "short", "long")
 BANK_BLOCK = 448  # most bank slots per call of the fused CPU backward (see _BankAttention)
@@ -59,6 +59,48 @@ def merge_heads(x: Tensor) -> Tensor:
     """(B, H, T, hs) -> (B, T, H * hs)."""
     B, H, T, hs = x.shape
     return x.transpose(1, 2).reshape(B, T, H * hs)
+
+
+class _LookaheadValues(torch.autograd.Function):
+    """Unit values of a whole sequence, v_s = unit((1 - c) v~_{s+1} + c v~_s) for s < T with
+    v~_T := 0, from raw values v~ (B, H, T, hs) and the (H,) mix c, in one function.
+
+    The same numbers as padding v~, lerping its shifted views and normalising, without the
+    padded copy, the slices' zero-filled gradients and their sum: backward is
+    d vbar = (g - u <g, u>) / |vbar|, dv~_s = c d vbar_s + (1 - c) d vbar_{s-1} (one lerp),
+    dc = sum_s <v~_s - v~_{s+1}, d vbar_s>. The contextual memory's forward + backward took
+    1-2% less (1 thread, B 8, H 8, T 256, hs 32, four alternating runs).
+    """
+
+    @staticmethod
+    def forward(ctx, v: Tensor, c: Tensor, eps: float) -> Tensor:
+        w = c.view(1, -1, 1, 1).to(v.dtype)
+        vbar = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        torch.lerp(v[:, :, 1:], v[:, :, :-1], w, out=vbar[:, :, :-1])
+        last = v[:, :, -1:]
+        torch.lerp(torch.zeros_like(last), last, w, out=vbar[:, :, -1:])
+        u, inv, norm = unit_forward(vbar, eps)
+        ctx.save_for_backward(v, c, u, inv, norm > eps)
+        return u
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        v, c, u, inv, active = ctx.saved_tensors
+        dot = (g * u).sum(-1, keepdim=True) * active  # no radial part where |vbar| < eps
+        dvbar = torch.addcmul(g, u, dot, value=-1.0).mul_(inv)
+        dv = dc = None
+        if ctx.needs_input_grad[0]:
+            w = c.view(1, -1, 1, 1).to(dvbar.dtype)
+            dv = torch.empty_like(dvbar)
+            torch.lerp(dvbar[:, :, :-1], dvbar[:, :, 1:], w, out=dv[:, :, 1:])
+            first = dvbar[:, :, :1]
+            torch.lerp(torch.zeros_like(first), first, w, out=dv[:, :, :1])
+        if ctx.needs_input_grad[1]:
+            acc = torch.promote_types(g.dtype, torch.float32)
+            dc = ((v[:, :, :-1] - v[:, :, 1:]) * dvbar[:, :, :-1]).sum((0, 2, 3), dtype=acc)
+            dc += (v[:, :, -1:] * dvbar[:, :, -1:]).sum((0, 2, 3), dtype=acc)
+            dc = dc.to(c.dtype)
+        return dv, dc, None
 
 
 class ContextualWeights(NamedTuple):
@@ -241,7 +283,7 @@ class ContextualMemory(nn.Module):
         k_raw, v_raw = self.project(x)
         keys, kbar, last = self.keys(x, k_raw)
         # full sequence: v~_T := 0 past the end (v_{T-1} is never retrieved in-window)
-        values = self.finish_values(F.pad(v_raw, (0, 0, 0, 1)))
+        values = _LookaheadValues.apply(v_raw, self.lookahead_c, NORM_EPS)
         y = self.resid_dropout(self.output(self.kernel(keys, values, bandwidth(self.bandwidth_b))))
         if state is None:
             return y, None

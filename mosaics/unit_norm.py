@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 
-def _unit_forward(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+def unit_forward(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """(u, 1 / max(|x|, eps), |x|), the norms (..., 1) accumulated in at least fp32."""
     full = x.dtype in (torch.float32, torch.float64)
     norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True,
@@ -30,7 +30,7 @@ def _unit_forward(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
 class _UnitVectors(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, eps: float) -> Tensor:
-        u, inv, norm = _unit_forward(x, eps)
+        u, inv, norm = unit_forward(x, eps)
         ctx.save_for_backward(u, inv, norm > eps)
         return u
 
@@ -46,6 +46,6 @@ def unit_vectors(x: Tensor, eps: float = 1e-6) -> Tensor:
     when no gradient is needed: the same numbers, less per-call overhead when decoding)."""
     if torch.is_grad_enabled() and x.requires_grad:
         return _UnitVectors.apply(x, eps)
-    if x.dtype in (torch.float32, torch.float64):  # the numbers of _unit_forward, in place
+    if x.dtype in (torch.float32, torch.float64):  # the numbers of unit_forward, in place
         return x * torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min_(eps).reciprocal_()
-    return _unit_forward(x, eps)[0]
+    return unit_forward(x, eps)[0]
