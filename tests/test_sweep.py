@@ -146,6 +146,7 @@ def test_merged_tables_from_result_files(tmp_path):
         in text
     assert "| llama | 1.000 (1.00) | 0.500 (0.00) | 0.0 |" in text
     assert "| mosaics-v2/gaussian | 0.250 | 0.125 | 0.0 |" in text  # not in the paper
+    assert "| mosaics/gaussian | 1.000 ± 0.000 (2) | 0.900 ± 0.000 (2) | 0.0 |" in text
     assert "| gpt2 | 0.650 ± 0.071 (2) / 0.350 ± 0.071 (2) | 0.950 ± 0.071 (2) / 0.050 ± " \
         "0.071 (2) (0.545 / 0.626) | 0.0 |" in text
     assert "| in-context 2-gram | 0.805 ± 0.007 (2) / 0.300 ± 0.000 (2) |" in text

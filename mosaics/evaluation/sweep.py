@@ -432,18 +432,20 @@ def extrapolation_rows(records: list[dict[str, Any]]) -> dict[str, Any]:
             "seconds": _job_seconds(records)}
 
 
-def extrapolation_markdown(merged: dict[str, Any]) -> str:
-    """Exact match per model x test length (mean ± std over seeds), the paper's value in
-    parentheses where it has one, and the wall minutes of each model's jobs."""
+def extrapolation_markdown(merged: dict[str, Any], metric: str = "exact_match") -> str:
+    """Exact match (or ``metric``, e.g. ``token_accuracy``) per model x test length (mean ±
+    std over seeds), the paper's exact match in parentheses where it has one, and the wall
+    minutes of each model's jobs."""
     header = ["model"] + [f"len {n}" for n in merged["lengths"]] + ["minutes"]
     rows = []
     for label in dict.fromkeys(r["label"] for r in merged["runs"]):
         mine = [r for r in merged["runs"] if r["label"] == label]
         cells = []
         for n in merged["lengths"]:
-            values = [r["exact_match"][str(n)] for r in mine if str(n) in r["exact_match"]]
+            values = [r[metric][str(n)] for r in mine if str(n) in r.get(metric, {})]
             cell = _cell(values) if values else "-"
-            ref = paper.extrapolation_cell(merged["task"], label, n)
+            ref = (paper.extrapolation_cell(merged["task"], label, n)
+                   if metric == "exact_match" else None)
             cells.append(cell if ref is None else f"{cell} ({ref:.2f})")
         rows.append([label, *cells, _minutes(label, merged.get("seconds", {}))])
     return _markdown(header, rows)
@@ -470,7 +472,10 @@ def summarize(out: str | Path, plot: bool = True) -> str:
         else:
             merged = extrapolation_rows(records)
             parts += [title, "exact match (teacher-forced argmax) by test length; mean ± std "
-                      "(seeds) when several seeds", extrapolation_markdown(merged)]
+                      "(seeds) when several seeds; the paper's in parentheses",
+                      extrapolation_markdown(merged),
+                      "token accuracy (teacher-forced) by test length",
+                      extrapolation_markdown(merged, "token_accuracy")]
             if plot:
                 parts.append(f"![{slug}]"
                              f"({plots.plot_extrapolation(merged, out / f'{slug}.png').name})")
