@@ -49,25 +49,36 @@ def _decay_matrix(a: Tensor, n: int, stride: int = 1) -> Tensor:
     return d * mask
 
 
-def _chunked_scan(x: Tensor, a: Tensor, chunk: int, reverse: bool = False) -> Tensor:
+def _chunked_scan(x: Tensor, a: Tensor, chunk: int, reverse: bool = False,
+                  sequential: bool | None = None) -> Tensor:
     """out_t = x_t + lambda out_{t-1} (or out_t = x_t + lambda out_{t+1} with ``reverse``),
     zero outside [0, T), for (B, H, T, D) x and (H,) log-decay a of x's dtype.
 
-    Inside a chunk the recursion runs one position at a time, in place on a copy of x: C - 1
-    ``addcmul_`` over (B, H, n, D) slices, one pass over the data in all. The C x C decay
-    matrix product it replaces ran as B H n tiny GEMMs: 0.73-3.3 ms against 0.50 ms at
-    (8, 8, 256, 32), 8.6-21 ms against 4.3 ms at (4, 12, 1024, 64), one scan, 1 thread, C 16.
+    On CPU the recursion inside a chunk runs one position at a time, in place on a copy of x:
+    C - 1 ``addcmul_`` over (B, H, n, D) slices, one pass over the data in all. The C x C decay
+    matrix product, B H n tiny GEMMs, took 0.73-3.3 ms against 0.50 ms at (8, 8, 256, 32),
+    8.6-21 ms against 4.3 ms at (4, 12, 1024, 64), one scan, 1 thread, C 16. Other devices
+    keep the matrix product: one batched GEMM instead of C - 1 kernel launches
+    (``sequential`` forces either form).
     """
     B, H, T, D = x.shape
     C, n = chunk_grid(T, chunk)
-    out = x.new_empty(B, H, n * C, D)
-    out[:, :, :T].copy_(x)
-    if n * C > T:  # zeros past the end change neither direction inside [0, T)
-        out[:, :, T:].zero_()
-    within = out.view(B, H, n, C, D)
-    lam = torch.exp(-a).view(1, H, 1, 1)
-    for i in range(C - 2, -1, -1) if reverse else range(1, C):
-        within.select(3, i).addcmul_(within.select(3, i + 1 if reverse else i - 1), lam)
+    if sequential if sequential is not None else x.device.type == "cpu":
+        out = x.new_empty(B, H, n * C, D)
+        out[:, :, :T].copy_(x)
+        if n * C > T:  # zeros past the end change neither direction inside [0, T)
+            out[:, :, T:].zero_()
+        within = out.view(B, H, n, C, D)
+        lam = torch.exp(-a).view(1, H, 1, 1)
+        for i in range(C - 2, -1, -1) if reverse else range(1, C):
+            within.select(3, i).addcmul_(within.select(3, i + 1 if reverse else i - 1), lam)
+    else:
+        xc = split_chunks(x, C, n)  # zero padding, as above
+        within_decay = _decay_matrix(a, C)
+        if reverse:
+            within_decay = within_decay.transpose(-1, -2)
+        within = torch.matmul(within_decay[:, None], xc)  # (H, 1, C, C) @ (B, H, n, C, D)
+        out = within.view(B, H, n * C, D)
     if n > 1:
         # the full sums at chunk ends (starts, in reverse), carried across chunks with lambda^C
         across = _decay_matrix(a, n, stride=C)
