@@ -204,7 +204,7 @@ def load_job_file(path: str | Path) -> tuple[list[Job], list[str]]:
     return list(jobs.values()), notes
 
 
-# The sparse-kernel paper's tables (DESIGN 8.2.1): kernels with their arguments, k of the
+# The sparse-kernel paper's tables (its numbers: paper.py): kernels with their arguments, k of the
 # kNN kernels per table, RegBench sizes, and the transformer baseline of each table.
 PAPER_KERNELS = ("gaussian", "gaussian_knn", "uniform_knn", "epanechnikov_fixed", "relumax",
                  "epanechnikov", "biweight", "triweight")
