@@ -343,6 +343,28 @@ def causal_offset(lo: Tensor, hi: Tensor) -> int | None:
     return int(offset[0, 0]) if bool(same) else None
 
 
+def run_plan(plan: list[tuple[int, int, int, int]], n: int, zeros: Callable[[int], Tensor],
+             chunk: Callable[..., Tensor], chunk_args: Callable[[int, int, int, int], tuple],
+             recompute: bool = False) -> Tensor:
+    """The retrievals of every query chunk of :func:`attend_plan`, in row order along dim 2:
+    ``chunk(*chunk_args(a, b, c0, c1))`` for each planned chunk and ``zeros(m)`` for the m
+    rows between them that see nothing. ``recompute``: run each chunk under activation
+    checkpointing (its intermediates are recomputed in backward instead of kept)."""
+    from torch.utils.checkpoint import checkpoint
+
+    parts, done = [], 0
+    for a, b, c0, c1 in plan:
+        if a > done:
+            parts.append(zeros(a - done))
+        args = chunk_args(a, b, c0, c1)
+        parts.append(checkpoint(chunk, *args, use_reentrant=False) if recompute
+                     else chunk(*args))
+        done = b
+    if done < n:
+        parts.append(zeros(n - done))
+    return torch.cat(parts, dim=2)
+
+
 def interval_bounds(bound: Tensor, a: int, b: int, c0: int) -> Tensor:
     """Rows a..b-1 of (B or 1, n) interval bounds, relative to memory column c0."""
     return bound[:, a:b] - c0

@@ -38,6 +38,7 @@ from .base import (
     extend_mask,
     interval_bounds,
     register_kernel,
+    run_plan,
 )
 from .spectral_flow import (
     SpectralFlow,
@@ -567,23 +568,14 @@ class FSKAKernel(Kernel):
                                                                                u2 * root)
                 scale = None
                 chunk = self._feature_chunk
-            parts, done = [], 0
-            grad = torch.is_grad_enabled()
-            for a, b, c0, c1 in plan:
-                if a > done:
-                    parts.append(v.new_zeros(B, H, a - done, v.shape[-1]))
-                args = ([x[:, :, a:b] for x in qa if x is not None],
+            def args(a: int, b: int, c0: int, c1: int) -> tuple:
+                return ([x[:, :, a:b] for x in qa if x is not None],
                         [x[:, :, c0:c1] for x in ka if x is not None], v[:, :, c0:c1],
                         interval_bounds(lo, a, b, c0), interval_bounds(hi, a, b, c0),
                         None if scale is None else scale[:, :, a:b])
-                if grad:
-                    parts.append(checkpoint(chunk, *args, use_reentrant=False))
-                else:
-                    parts.append(chunk(*args))
-                done = b
-            if done < n:
-                parts.append(v.new_zeros(B, H, n - done, v.shape[-1]))
-            y = torch.cat(parts, dim=2)
+
+            y = run_plan(plan, n, lambda m: v.new_zeros(B, H, m, v.shape[-1]), chunk, args,
+                         torch.is_grad_enabled())
         return y.to(values.dtype)
 
     def _feature_chunk(self, q: list[Tensor], k: list[Tensor], v: Tensor, lo: Tensor,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from .base import (
     Kernel,
@@ -27,6 +26,7 @@ from .base import (
     extend_mask,
     interval_bounds,
     register_kernel,
+    run_plan,
     work_precision,
 )
 from .causal_attention import causal_attention
@@ -97,21 +97,14 @@ class GaussianKernel(Kernel):
         masks = max(lo.shape[0], hi.shape[0]) * sum((b - a) * (c1 - c0) for a, b, c0, c1 in plan)
         recompute = masks > self.chunk_elements and torch.is_grad_enabled() and any(
             t.requires_grad for t in (queries, keys, values, beta))
-        parts, done = [], 0
-        for a, b, c0, c1 in plan:
-            if a > done:
-                parts.append(values.new_zeros(B, H, a - done, values.shape[-1]))
-            args = (queries[:, :, a:b], keys[:, :, c0:c1], values[:, :, c0:c1],
+        def args(a: int, b: int, c0: int, c1: int) -> tuple:
+            return (queries[:, :, a:b], keys[:, :, c0:c1], values[:, :, c0:c1],
                     scale if scale.shape[2] == 1 else scale[:, :, a:b],
                     interval_bounds(lo, a, b, c0), interval_bounds(hi, a, b, c0), drop)
-            if recompute:
-                parts.append(checkpoint(interval_softmax, *args, use_reentrant=False))
-            else:
-                parts.append(interval_softmax(*args))
-            done = b
-        if done < n:
-            parts.append(values.new_zeros(B, H, n - done, values.shape[-1]))
-        return torch.cat(parts, dim=2).to(values.dtype)
+
+        y = run_plan(plan, n, lambda m: values.new_zeros(B, H, m, values.shape[-1]),
+                     interval_softmax, args, recompute)
+        return y.to(values.dtype)
 
     def _causal_attend(self, queries: Tensor, keys: Tensor, values: Tensor, scale: Tensor,
                        gap: int, dropout: float) -> Tensor:
