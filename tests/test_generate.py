@@ -75,18 +75,20 @@ def test_sorted_row_solvers_equal_the_training_normalizer(name):
         torch.testing.assert_close(weights.sum(-1), torch.ones(3, 4, 1, dtype=torch.float64))
 
 
-def test_append_along_time_writes_in_place_and_doubles():
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_append_along_time_writes_in_place_and_doubles(mode):
     stored = torch.zeros(2, 3, 0, 4)
     parts = []
     ptrs = set()
-    for step in range(3 * MIN_MEMORY_BUFFER):
-        new = torch.randn(2, 3, 1 if step else 5, 4)
-        parts.append(new)
-        stored = append_along_time(stored, new)
-        ptrs.add(stored.data_ptr())
-        torch.testing.assert_close(stored, torch.cat(parts, 2))
+    with getattr(torch, mode)():  # inference-mode views have no _base: still in place
+        for step in range(3 * MIN_MEMORY_BUFFER):
+            new = torch.randn(2, 3, 1 if step else 5, 4)
+            parts.append(new)
+            stored = append_along_time(stored, new)
+            ptrs.add(stored.data_ptr())
+            torch.testing.assert_close(stored, torch.cat(parts, 2))
     assert len(ptrs) == 3  # allocated for 64 entries, then 2 * 65, then 2 * 131
-    assert stored._base.shape[2] == 2 * (2 * MIN_MEMORY_BUFFER + 3)
+    assert stored.memory_buffer_of.shape[2] == 2 * (2 * MIN_MEMORY_BUFFER + 3)
 
 
 def test_append_along_time_never_writes_into_a_callers_tensor():

@@ -181,14 +181,20 @@ def append_along_time(stored: Tensor, new: Tensor) -> Tensor:
     n, m = stored.shape[2], new.shape[2]
     if torch.is_grad_enabled() and (stored.requires_grad or new.requires_grad):
         return torch.cat([stored, new], dim=2)
-    buffer = stored._base
+    # the view remembers its buffer: ``_base`` alone is None for views made under
+    # torch.inference_mode(), which would copy the whole memory every step there
+    buffer = getattr(stored, "memory_buffer_of", None)
+    if buffer is None:
+        buffer = stored._base
     if not _has_room(buffer, stored, n + m):
         B, H, _, D = stored.shape
         buffer = stored.new_empty(B, H, max(2 * (n + m), MIN_MEMORY_BUFFER), D)
         buffer.memory_buffer = True  # marks buffers this function owns (never a caller's)
         buffer.narrow(2, 0, n).copy_(stored)
     buffer.narrow(2, n, m).copy_(new)
-    return buffer.narrow(2, 0, n + m)
+    out = buffer.narrow(2, 0, n + m)
+    out.memory_buffer_of = buffer
+    return out
 
 
 def _has_room(buffer: Tensor | None, stored: Tensor, length: int) -> bool:
