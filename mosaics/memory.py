@@ -406,11 +406,8 @@ class ContextualMemory(nn.Module):
         drop = first - base
         if drop < self.window:
             return keys, values, base
-        empty = keys[:, :, :0]
-        keys = append_along_time(empty.new_zeros(empty.shape), keys[:, :, drop:])
-        values = append_along_time(values[:, :, :0].new_zeros(values[:, :, :0].shape),
-                                   values[:, :, drop:])
-        return keys, values, first
+        # views of the kept entries: the next append moves them to a fresh buffer
+        return keys[:, :, drop:], values[:, :, drop:], first
 
     def extra_repr(self) -> str:
         return f"n_head={self.n_head}, leaky_chunk={self.chunk}, level={self.level!r}"
