@@ -66,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=positive_int, default=1,
                    help="processes at a time; each gets max(1, cores // N) threads")
     p.add_argument("--device", default=None, help="cpu or cuda (jobs share the GPU)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="CPU threads per job (default: the cores split between --jobs); set it "
+                        "when other work shares the machine")
     p.add_argument("--out", default="runs/sweep")
     p.add_argument("--dry-run", action="store_true", help="list the jobs and exit")
     p.add_argument("--summary-only", action="store_true",
@@ -102,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             state = "done" if sweep.result_path(out, job).exists() else "todo"
             print(f"{state}  {job.name}")
         return 0
-    done = sweep.run_sweep(jobs, out, args.jobs, args.device or default_device())
+    done = sweep.run_sweep(jobs, out, args.jobs, args.device or default_device(),
+                           threads=args.threads)
     print(sweep.summarize(out), end="")
     print(f"summary: {out / 'summary.md'}")
     if done["failed"]:

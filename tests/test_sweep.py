@@ -116,6 +116,18 @@ def test_existing_results_are_skipped(tmp_path):
     assert not (tmp_path / "logs").exists()
 
 
+def test_threads_per_job_split_or_given(tmp_path, monkeypatch):
+    assert sweep.threads_per_job(2, cores=8) == 4 and sweep.threads_per_job(16, cores=8) == 1
+    seen = []
+    monkeypatch.setattr(sweep, "_spawn", lambda job, out, device, threads:
+                        (seen.append(threads), (job, 1, 0.0))[1])
+    job = sweep.make_job("sort", "gaussian", preset="cpu")
+    lines = []
+    sweep.run_sweep([job], tmp_path, parallel=1, report=lines.append, threads=3)
+    assert seen == [3] and "with 3 thread(s) each" in lines[0]
+    assert sweep._child_env(3)["OMP_NUM_THREADS"] == "3"
+
+
 def test_a_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     bad = sweep.Job("sort", "mosaics/no_such_kernel", preset="cpu",
                     overrides={"steps": 1, "n_val": 2, "n_samples": 1, "multipliers": [1]})

@@ -309,15 +309,17 @@ def _record_failure(out: Path, job: Job, status: int, seconds: float) -> dict[st
 
 
 def run_sweep(jobs: Sequence[Job], out: str | Path, parallel: int = 1, device: str = "cpu",
-              report: Callable[[str], None] = print) -> dict[str, list[Job]]:
-    """Run the jobs without a result file, ``parallel`` processes at a time; returns the
-    skipped, finished and failed jobs."""
+              report: Callable[[str], None] = print,
+              threads: int | None = None) -> dict[str, list[Job]]:
+    """Run the jobs without a result file, ``parallel`` processes at a time with ``threads``
+    CPU threads each (default: the cores split between them); returns the skipped, finished
+    and failed jobs."""
     out = Path(out)
     done = {"skipped": [], "finished": [], "failed": []}
     todo = []
     for job in jobs:
         (done["skipped"] if result_path(out, job).exists() else todo).append(job)
-    threads = threads_per_job(parallel)
+    threads = threads or threads_per_job(parallel)
     report(f"{len(jobs)} jobs: {len(done['skipped'])} already done, {len(todo)} to run, "
            f"{min(parallel, len(todo) or 1)} at a time with {threads} thread(s) each on {device}")
     with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
