@@ -65,20 +65,24 @@ def plot_regbench(results: dict[str, Any], path: str | Path) -> Path:
 
 
 def plot_extrapolation(results: dict[str, Any], path: str | Path) -> Path:
-    """Exact match against test length (log2 axis), one line per model (mean ± std over the
-    runs that share a label, e.g. seeds)."""
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label in dict.fromkeys(r["label"] for r in results["runs"]):
-        points = [(int(k), v) for r in results["runs"] if r["label"] == label
-                  for k, v in r["exact_match"].items()]
-        _line(ax, points, label)
-    ax.set_xscale("log", base=2)
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("test length")
-    ax.set_ylabel("exact match")
-    ax.set_title(f"{results['task']}: length extrapolation")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    """Exact match and token accuracy against test length (log2 axis), one line per model
+    (mean ± std over the runs that share a label, e.g. seeds)."""
+    metrics = [m for m in ("exact_match", "token_accuracy")
+               if any(r.get(m) for r in results["runs"])]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for label in dict.fromkeys(r["label"] for r in results["runs"]):
+            points = [(int(k), v) for r in results["runs"] if r["label"] == label
+                      for k, v in r.get(metric, {}).items()]
+            if points:
+                _line(ax, points, label)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("test length")
+        ax.set_ylabel(metric.replace("_", " "))
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"{results['task']}: length extrapolation")
     return _save(fig, path)
 
 
