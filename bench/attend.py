@@ -24,11 +24,11 @@ hit all of them alike; ``--clock cpu`` counts the process's CPU time instead of 
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from timing import add_clock_option, get_clock
 
 from mosaics.kernels import Kernel, get_kernel
 
@@ -63,11 +63,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="cpu: the process's CPU time (steadier on a loaded machine; "
-                        "use with one thread)")
+    add_clock_option(parser)
     args = parser.parse_args()
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    clock = get_clock(args.clock)
     print(f"threads {torch.get_num_threads()}, B {args.batch}, H {args.heads}, "
           f"hs {args.head_size}, window h {args.window}, gap m {args.gap}; "
           "seconds (ratio to forward)")

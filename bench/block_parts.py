@@ -21,24 +21,15 @@ alike. Ratios > 1: the Memory Mosaics part is slower.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
+from timing import add_clock_option, best_of, get_clock
 from transformers import GPT2LMHeadModel
 
 from mosaics import MosaicsConfig, MosaicsForCausalLM
 from mosaics.baselines import gpt2_config_like
 from mosaics.memory import bank_attention
-
-
-def fastest(fn: Callable[[], None], repeats: int, clock) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = clock()
-        fn()
-        best = min(best, clock() - t0)
-    return best
 
 
 def forward_backward(module: torch.nn.Module, x: torch.Tensor) -> Callable[[], None]:
@@ -75,9 +66,9 @@ def main() -> None:
     ap.add_argument("--kernel", default="gaussian")
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    add_clock_option(ap)
     args = ap.parse_args()
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    clock = get_clock(args.clock)
 
     torch.manual_seed(0)
     cfg = MosaicsConfig(vocab_size=512, n_layer=1, n_head=args.n_head, n_embd=args.n_embd,
@@ -101,7 +92,7 @@ def main() -> None:
             for i, fn in enumerate((ours, theirs)):
                 if fn is not None:
                     fn()  # warm-up
-                    best[name][i] = min(best[name][i], fastest(fn, args.repeats, clock))
+                    best[name][i] = min(best[name][i], best_of(fn, args.repeats, clock))
 
     print(f"threads={torch.get_num_threads()}, clock={args.clock}, batch {args.batch}, "
           f"T {args.T}, d {args.n_embd}, {args.n_head} heads (head size "

@@ -14,21 +14,12 @@ for fixed blocks.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
+from timing import best_of
 
 from mosaics.kernels.causal_attention import _BlockedCausal, causal_attention
-
-
-def best_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def cases(q, k, v, g, scale: float, blocks: list[int]) -> dict:
@@ -64,7 +55,7 @@ def main() -> None:
         best = {name: float("inf") for name in fns}
         for _ in range(args.repeats):  # alternate so machine noise hits all alike
             for name, fn in fns.items():
-                best[name] = min(best[name], best_time(fn, 1))
+                best[name] = min(best[name], best_of(fn, 1))
         base = best["stock"]
         cells = [f"{best[c] / base:8.2f}" if c in best else f"{'-':>8}" for c in cols]
         print(f"{T:>6} {1e3 * base:>9.1f} " + " ".join(cells))

@@ -23,11 +23,10 @@ minimum is the least disturbed run, as in ``bench/throughput.py``.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from timing import add_clock_option, get_clock, summarize
 from transformers import GPT2LMHeadModel, PreTrainedModel
 
 from mosaics import MosaicsConfig, MosaicsForCausalLM
@@ -59,11 +58,6 @@ def timed(fn: Callable[[], torch.Tensor], clock: Callable[[], float]) -> tuple[f
     return clock() - t0, out
 
 
-def summary(times: list[float], clock: Callable[[], float]) -> float:
-    """The fastest time with the CPU clock, the median with the wall clock."""
-    return min(times) if clock is time.process_time else statistics.median(times)
-
-
 def compare(models: dict[str, PreTrainedModel], prompt: torch.Tensor, args: argparse.Namespace,
             sample: bool, clock: Callable[[], float]) -> dict[str, float]:
     """Generated tokens/s of each model (:func:`summary` of the runs), runs alternating
@@ -78,7 +72,7 @@ def compare(models: dict[str, PreTrainedModel], prompt: torch.Tensor, args: argp
                           clock)
             times[name].append(dt)
     n = prompt.shape[0] * args.new_tokens
-    return {name: n / summary(t, clock) for name, t in times.items()}
+    return {name: n / summarize(t, clock) for name, t in times.items()}
 
 
 def recompute_speedup(model: PreTrainedModel, prompt: torch.Tensor, args: argparse.Namespace,
@@ -91,7 +85,7 @@ def recompute_speedup(model: PreTrainedModel, prompt: torch.Tensor, args: argpar
         dt, ref = timed(lambda: generate(model, prompt, args.new_tokens, False, False), clock)
         uncached.append(dt)
     n = prompt.shape[0] * args.new_tokens
-    return n / summary(cached, clock), n / summary(uncached, clock), torch.equal(out, ref)
+    return n / summarize(cached, clock), n / summarize(uncached, clock), torch.equal(out, ref)
 
 
 def main() -> None:
@@ -109,9 +103,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--recompute-repeats", type=int, default=1,
                     help="runs of the use_cache=False comparison (0: skip it)")
-    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    add_clock_option(ap)
     args = ap.parse_args()
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    clock = get_clock(args.clock)
     print(f"threads={torch.get_num_threads()}, clock={args.clock}, prompt {args.prompt}, "
           f"{args.new_tokens} new tokens, {args.n_layer} layers, d {args.n_embd}, "
           f"{args.n_head} heads, vocab {args.vocab}, "

@@ -45,6 +45,8 @@ import sys
 import time
 from pathlib import Path
 
+from timing import add_clock_option, get_clock
+
 DEFAULT_LENGTHS = [256, 512, 1024, 2048, 4096, 8192]
 DEFAULT_MAX_LENGTH = 4096
 MAX_LENGTH = {"fska": 8192, "gaussian": 8192}  # linear time / fused attention go further
@@ -150,7 +152,7 @@ def run_case(fn, T: int, B: int, H: int, hs: int, beta: float, repeats: int,
 def run_method(method: str, lengths: list[int], args: argparse.Namespace) -> None:
     """Worker: one method at increasing T, one JSON line per case (peak reset before each)."""
     fn = _method_fn(method, args.heads, args.head_size)
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    clock = get_clock(args.clock)
     run_case(fn, 16, args.batch, args.heads, args.head_size, args.beta, 1, 0.0)  # warm-up
     for T in lengths:
         r = run_case(fn, T, args.batch, args.heads, args.head_size, args.beta, args.repeats,
@@ -265,8 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per case (fastest)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every method this many times, one after another (fastest)")
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="wall clock or process CPU time (robust on a loaded machine)")
+    add_clock_option(p)
     p.add_argument("--budget", type=float, default=20.0,
                    help="stop repeating a case after this many seconds")
     p.add_argument("--batch", type=int, default=1)

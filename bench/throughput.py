@@ -27,10 +27,10 @@ other jobs it measures the work done rather than the waiting (use one thread wit
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
+from timing import add_clock_option, best_of, get_clock, summarize
 from transformers import GPT2LMHeadModel
 
 from mosaics import MosaicsConfig, MosaicsForCausalLM
@@ -41,12 +41,7 @@ def matmul_peak(n: int = 1024, repeats: int = 10, clock=time.perf_counter) -> fl
     """Measured fp32 matmul FLOP/s on this machine with the current thread count (best of)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
-    times = []
-    for _ in range(repeats):
-        t0 = clock()
-        a @ b
-        times.append(clock() - t0)
-    return 2 * n**3 / min(times)
+    return 2 * n**3 / best_of(lambda: a @ b, repeats, clock)
 
 
 def flops_per_token(model: torch.nn.Module, n_layer: int, d: int, T: int) -> float:
@@ -87,7 +82,7 @@ def bench(configs: dict[str, MosaicsConfig], batch: int, T: int, steps: int, war
                 times[arch].append(clock() - t0)
     out = {}
     for arch, model in models.items():
-        step = min(times[arch]) if clock is time.process_time else statistics.median(times[arch])
+        step = summarize(times[arch], clock)
         out[arch] = dict(
             params=sum(p.numel() for p in model.parameters()),
             step_s=step,
@@ -110,11 +105,11 @@ def main() -> None:
                     help="Memory Mosaics' chunked-loss rows (0: materialise the logits)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    add_clock_option(ap)
     ap.add_argument("--v2", action="store_true",
                     help="also measure the Memory Mosaics v2 block (MosaicsConfig.v2)")
     args = ap.parse_args()
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    clock = get_clock(args.clock)
 
     peak = matmul_peak(clock=clock)
     print(f"threads={torch.get_num_threads()}, clock={args.clock}, measured fp32 matmul peak: "

@@ -1,0 +1,39 @@
+"""Clocks and best-of timing shared by the benchmark scripts (``python bench/<name>.py`` puts
+this folder on the import path)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+Clock = Callable[[], float]
+CLOCKS: dict[str, Clock] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def add_clock_option(parser: argparse.ArgumentParser) -> None:
+    """``--clock wall|cpu``; read it back with :func:`get_clock`."""
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall clock, or the process's CPU time (steadier on a loaded "
+                        "machine; use with one thread)")
+
+
+def get_clock(name: str) -> Clock:
+    return CLOCKS[name]
+
+
+def best_of(fn: Callable[[], object], repeats: int, clock: Clock = time.perf_counter) -> float:
+    """Seconds of the fastest of ``repeats`` calls of ``fn``."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = clock()
+        fn()
+        best = min(best, clock() - t0)
+    return best
+
+
+def summarize(times: Sequence[float], clock: Clock) -> float:
+    """The fastest time with the CPU clock (load only adds to it), the median with the wall
+    clock (robust to a few slow outliers)."""
+    return min(times) if clock is time.process_time else statistics.median(times)
