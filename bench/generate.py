@@ -60,7 +60,7 @@ def timed(fn: Callable[[], torch.Tensor], clock: Callable[[], float]) -> tuple[f
 
 def compare(models: dict[str, PreTrainedModel], prompt: torch.Tensor, args: argparse.Namespace,
             sample: bool, clock: Callable[[], float]) -> dict[str, float]:
-    """Generated tokens/s of each model (:func:`summary` of the runs), runs alternating
+    """Generated tokens/s of each model (:func:`timing.summarize` of the runs), runs alternating
     between the models."""
     for model in models.values():  # warm-up: allocator, one-time checks
         generate(model, prompt[:, :16], 4, sample)
