@@ -167,6 +167,27 @@ def test_merged_tables_from_result_files(tmp_path):
     assert (tmp_path / "regbench-cpu.png").stat().st_size > 0
 
 
+def test_learning_curve_rows_pick_evaluations_at_even_steps(tmp_path):
+    def history(last):
+        return [{"step": s, "val/loss": 4.0 / s, "val/token_accuracy": s / 1000,
+                 "val/exact_match": 0.0, "elapsed_s": 6.0 * s} for s in range(100, last + 1, 100)]
+    for model, last in [("gaussian", 1000), ("llama", 500)]:
+        job = sweep.make_job("sort", model, 0, preset="cpu")
+        _fake_extrapolation(tmp_path, job, 0.5)
+        path = sweep.result_path(tmp_path, job)
+        record = json.loads(path.read_text())
+        record["results"]["runs"][0]["train"]["history"] = [{"step": 50}, *history(last)]
+        write_json(path, record)
+    text = sweep.curve_markdown(sweep.load_results(tmp_path))
+    assert "| job | step 250 | step 500 | step 750 | step 1000 |" in text
+    # step 250 has no evaluation: the last one before it (step 200, 20 minutes) is shown
+    assert "| mosaics/gaussian s0 | 20.0 / 0.020 / 0.200 / 0.000 | 50.0 / 0.008 / 0.500 / " \
+        "0.000 | 70.0 / 0.006 / 0.700 / 0.000 | 100.0 / 0.004 / 1.000 / 0.000 |" in text
+    assert "| llama s0 | 20.0 / 0.020 / 0.200 / 0.000 | 50.0 / 0.008 / 0.500 / 0.000 | - | - |" \
+        in text  # stopped at 500
+    assert "validation curve" in sweep.summarize(tmp_path, plot=False)
+
+
 def test_tiny_sweep_end_to_end_with_two_processes(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "eval/sweep.py", "--task", "sort", "--model", "mosaics/gaussian",

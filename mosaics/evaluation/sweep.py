@@ -453,6 +453,34 @@ def extrapolation_markdown(merged: dict[str, Any], metric: str = "exact_match") 
     return _markdown(header, rows)
 
 
+def curve_markdown(records: list[dict[str, Any]], points: int = 4) -> str:
+    """Validation learning curves of extrapolation jobs, one row per job (model, seed): at
+    ``points`` evaluations spread evenly over the longest run, ``minutes / validation loss /
+    token accuracy / exact match`` on the validation samples (training lengths)."""
+    runs = []
+    for rec in records:
+        for run in rec["results"]["runs"]:
+            evals = [e for e in run.get("train", {}).get("history", []) if "val/loss" in e]
+            if evals:
+                runs.append((f"{rec['job']['label']} s{rec['job']['seed']}", evals))
+    if not runs:
+        return "no validation history in these results"
+    last = max(e["step"] for _, evals in runs for e in evals)
+    marks = sorted({max(1, round(last * (i + 1) / points)) for i in range(points)})
+    rows = []
+    for name, evals in runs:
+        cells = []
+        for mark in marks:  # the last evaluation at or before the mark, unless the run
+            before = [e for e in evals if e["step"] <= mark]  # stopped well short of it
+            e = before[-1] if before else None
+            cells.append("-" if e is None or mark - e["step"] > last / (2 * points)
+                         else f"{e.get('elapsed_s', 0.0) / 60:.1f} / {e['val/loss']:.3f} / "
+                              f"{e.get('val/token_accuracy', float('nan')):.3f} / "
+                              f"{e.get('val/exact_match', float('nan')):.3f}")
+        rows.append([name, *cells])
+    return _markdown(["job"] + [f"step {m}" for m in marks], rows)
+
+
 def summarize(out: str | Path, plot: bool = True) -> str:
     """Markdown tables (and figures) of every result under ``out``; written to
     ``<out>/summary.md`` and returned."""
@@ -477,7 +505,9 @@ def summarize(out: str | Path, plot: bool = True) -> str:
                       "(seeds) when several seeds; the paper's in parentheses",
                       extrapolation_markdown(merged),
                       "token accuracy (teacher-forced) by test length",
-                      extrapolation_markdown(merged, "token_accuracy")]
+                      extrapolation_markdown(merged, "token_accuracy"),
+                      "validation curve: minutes / loss / token accuracy / exact match",
+                      curve_markdown(records)]
             if plot:
                 parts.append(f"![{slug}]"
                              f"({plots.plot_extrapolation(merged, out / f'{slug}.png').name})")
