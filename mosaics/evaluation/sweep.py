@@ -467,18 +467,21 @@ def curve_markdown(records: list[dict[str, Any]], points: int = 4) -> str:
         return "no validation history in these results"
     last = max(e["step"] for _, evals in runs for e in evals)
     marks = sorted({max(1, round(last * (i + 1) / points)) for i in range(points)})
-    rows = []
-    for name, evals in runs:
-        cells = []
-        for mark in marks:  # the last evaluation at or before the mark, unless the run
-            before = [e for e in evals if e["step"] <= mark]  # stopped well short of it
-            e = before[-1] if before else None
-            cells.append("-" if e is None or mark - e["step"] > last / (2 * points)
-                         else f"{e.get('elapsed_s', 0.0) / 60:.1f} / {e['val/loss']:.3f} / "
-                              f"{e.get('val/token_accuracy', float('nan')):.3f} / "
-                              f"{e.get('val/exact_match', float('nan')):.3f}")
-        rows.append([name, *cells])
+    rows = [[name, *(_curve_cell(evals, mark, last / (2 * points)) for mark in marks)]
+            for name, evals in runs]
     return _markdown(["job"] + [f"step {m}" for m in marks], rows)
+
+
+def _curve_cell(evals: list[dict[str, Any]], mark: int, slack: float) -> str:
+    """The last evaluation at or before step ``mark``; "-" if there is none within ``slack``
+    steps of it (the run stopped short of the mark)."""
+    before = [e for e in evals if e["step"] <= mark]
+    if not before or mark - before[-1]["step"] > slack:
+        return "-"
+    e = before[-1]
+    return (f"{e.get('elapsed_s', 0.0) / 60:.1f} / {e['val/loss']:.3f} / "
+            f"{e.get('val/token_accuracy', float('nan')):.3f} / "
+            f"{e.get('val/exact_match', float('nan')):.3f}")
 
 
 def summarize(out: str | Path, plot: bool = True) -> str:
