@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,3 +61,47 @@ def test_kernels_section_times_both_backends_when_the_fused_one_runs() -> None:
         assert row["backend"] == "adasplash" and row["chunked_ms"] > 0, row
         assert row["max_abs_diff"] < 1e-4 and row["adasplash_vs_chunked"] > 0
     assert "backend" not in rows["relumax"] and "error" not in rows["gaussian"]
+
+
+def test_bank_bound_smoke_run() -> None:
+    """bench/bank_bound.py runs at a tiny size and times every row."""
+    spec = importlib.util.spec_from_file_location("bank_bound", ROOT / "bench" / "bank_bound.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec.loader.exec_module(module)
+        rows = module.main(["--T", "16", "--batch", "2", "--n-embd", "32", "--n-head", "2",
+                            "--rows", "8", "--repeats", "1", "--rounds", "1"])
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    assert set(rows) == {"bank_attention", "parts, recomputing", "parts, storing P",
+                         "stored P, torch ops", "GPT-2 MLP", "MLP products"}
+    assert all(sec > 0 and flops > 0 for sec, flops in rows.values())
+    # the recomputing sum holds every operation of the storing one, and two more
+    assert rows["parts, recomputing"][0] > rows["parts, storing P"][0]
+
+
+def test_bank_bound_stored_scheme_matches_bank_attention() -> None:
+    """The stored-probability scheme the bench times computes the same output and gradients
+    as the fused bank attention, with a last block of rows shorter than the others."""
+    import torch
+
+    from mosaics.memory import bank_attention
+
+    spec = importlib.util.spec_from_file_location("bank_bound", ROOT / "bench" / "bank_bound.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    torch.manual_seed(0)
+    H, N, P, hs = 3, 45, 600, 8  # P > 448: the fused backward runs in blocks of slots
+    q = torch.nn.functional.normalize(torch.randn(H, N, hs), dim=-1).requires_grad_()
+    k, v = (torch.randn(H, P, hs).requires_grad_() for _ in range(2))
+    g = torch.randn(H, N, hs)
+    out = bank_attention(q[None], k[None], v[None])[0]
+    out.backward(g)
+    got = module.stored_attention(q.detach(), k.detach(), v.detach(), g, rows=16)
+    for mine, ref in zip(got, (out, q.grad, k.grad, v.grad), strict=True):
+        torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
