@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from mosaics import MosaicsConfig, MosaicsForCausalLM, MosaicsModel, available_kernels
 from mosaics.cache import MosaicsCache
 from mosaics.leaky import leaky_average, leaky_average_reference
-from mosaics.memory import ContextualMemory, PersistentMemory
+from mosaics.memory import BANK_BLOCK, ContextualMemory, PersistentMemory, bank_attention
 
 
 def slow_contextual_memory(mem: ContextualMemory, x: torch.Tensor) -> torch.Tensor:
@@ -77,6 +77,23 @@ def test_persistent_memory_matches_formula(tiny_config):
     y = (w @ mem.mem_values) * torch.exp(10 * mem.value_q).view(1, H, 1, 1)
     expected = y.transpose(1, 2).reshape(2, 7, -1) @ mem.c_proj.weight.T
     torch.testing.assert_close(mem(x)[0], expected)
+
+
+@pytest.mark.parametrize("P", [BANK_BLOCK + 1, 1000])
+def test_bank_attention_blocked_backward_matches_softmax_formula(P):
+    """Above BANK_BLOCK slots the CPU backward runs in even blocks of slots (2 and 3 here);
+    output and gradients equal autograd through softmax(q k^T) v."""
+    torch.manual_seed(0)
+    q = F.normalize(torch.randn(1, 3, 40, 8), dim=-1).requires_grad_()
+    k, v = (torch.randn(1, 3, P, 8).requires_grad_() for _ in range(2))
+    g = torch.randn(1, 3, 40, 8)
+    out = bank_attention(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    ref = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    torch.testing.assert_close(out, ref)
+    for mine, theirs in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 16, 100])
