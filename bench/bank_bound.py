@@ -4,8 +4,12 @@ sum of its own matrix products and softmax passes, each timed alone, and against
 The slot banks compute y = softmax(q K^T) V for N = batch T unit queries and P = 3.5 d slots
 per head (forward + backward; q: (H, N, hs), K and V: (H, P, hs)). Rows:
 
-- ``bank_attention``: what a training step runs (the fused CPU forward, the backward in
-  blocks of slots; :func:`mosaics.memory.bank_attention`);
+- ``bank_attention``: what a training step runs (:func:`mosaics.memory.bank_attention`: the
+  compiled kernel where it builds, else ``fused (PyTorch)``);
+- ``fused (PyTorch)``: PyTorch's fused CPU forward and its backward in blocks of slots
+  (:class:`mosaics.memory._BankAttention`, which recomputes the probabilities);
+- ``compiled, storing P``: the compiled kernel (:class:`mosaics.memory._StoredBankAttention`:
+  probabilities kept, oneDNN's batch-reduce GEMM), when it builds here;
 - ``parts, recomputing``: the work of that fused backward, op by op on one head and one block
   of ``--rows`` queries at a time (operands in cache, outputs preallocated), times H N / rows:
   S = q K^T, softmax; o = P V; then S = q K^T and P = exp(S - lse) again, dV += P^T dO,
@@ -18,7 +22,7 @@ per head (forward + backward; q: (H, N, hs), K and V: (H, P, hs)). Rows:
   backward, and ``MLP products``: its 6 matrix products alone.
 
 Each row also shows its fp32 GFLOP/s (2 m n k per product) and its time over
-``bank_attention``'s. Time: the fastest of ``--repeats`` runs, rows interleaved per round.
+``fused (PyTorch)``'s. Time: the fastest of ``--repeats`` runs, rows interleaved per round.
 
     OMP_NUM_THREADS=1 python bench/bank_bound.py --clock cpu                # head size 32
     OMP_NUM_THREADS=1 python bench/bank_bound.py --clock cpu --n-head 4     # head size 64
@@ -36,15 +40,21 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 
 from mosaics import MosaicsConfig
 from mosaics.baselines import gpt2_config_like
-from mosaics.memory import bank_attention
+from mosaics.cpu_extension import bank_extension
+from mosaics.memory import _BankAttention, _StoredBankAttention, bank_attention
 
 Run = Callable[[], None]
 
 
-def bank_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Run:
+def bank_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, form=None) -> Run:
+    """Forward + backward of ``form`` ((H, N, hs) queries, (H, P, hs) banks; default
+    :func:`bank_attention`)."""
     def run() -> None:
         q.grad = k.grad = v.grad = None
-        bank_attention(q[None], k[None], v[None]).sum().backward()
+        if form is None:
+            bank_attention(q[None], k[None], v[None]).sum().backward()
+        else:
+            form(q, k, v).sum().backward()
     return run
 
 
@@ -150,10 +160,15 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     parts = part_runs(hs, P, args.rows)
     mlp, mlp_products = mlp_runs(d, N)
     g = torch.randn(H, N, hs)
+    compiled = bank_extension() is not None
     runs: dict[str, Run] = {"bank_attention": bank_run(q, k, v),
+                            "fused": bank_run(q, k, v, lambda *t: _BankAttention.apply(
+                                *(x[None] for x in t))[0]),
                             "stored": lambda: stored_attention(q.detach(), k.detach(),
                                                                v.detach(), g, args.rows),
                             **parts,
+                            **({"compiled": bank_run(q, k, v, _StoredBankAttention.apply)}
+                               if compiled else {}),
                             "GPT-2 MLP": mlp, "MLP products": mlp_products}
     best = dict.fromkeys(runs, float("inf"))
     for _ in range(args.rounds):
@@ -164,20 +179,22 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     blocks = H * N / args.rows  # one head and one block of rows per part call
     product = 2 * N * P * hs * H  # FLOPs of one of the bank's matrix products, all heads
     rows = {
-        "bank_attention": (best["bank_attention"], 7 * product),
+        "bank_attention": (best["bank_attention"], (6 if compiled else 7) * product),
+        "fused (PyTorch)": (best["fused"], 7 * product),
         "parts, recomputing": (blocks * sum(best[n] for n in RECOMPUTED), 7 * product),
         "parts, storing P": (blocks * sum(best[n] for n in STORED), 6 * product),
         "stored P, torch ops": (best["stored"], 6 * product),
+        **({"compiled, storing P": (best["compiled"], 6 * product)} if compiled else {}),
         "GPT-2 MLP": (best["GPT-2 MLP"], 6 * 2 * N * d * 4 * d),
         "MLP products": (best["MLP products"], 6 * 2 * N * d * 4 * d),
     }
     print(f"threads={torch.get_num_threads()}, clock={args.clock}, {N} queries (batch "
           f"{args.batch} x T {args.T}), d {d}, {H} heads (head size {hs}), {P} slots, "
           f"parts on blocks of {args.rows} rows\n")
-    print(f"{'':>20} {'ms':>8} {'GFLOP/s':>8} {'/ bank':>7}")
-    base = rows["bank_attention"][0]
+    print(f"{'':>20} {'ms':>8} {'GFLOP/s':>8} {'/ fused':>8}")
+    base = rows["fused (PyTorch)"][0]
     for name, (sec, flops) in rows.items():
-        print(f"{name:>20} {1e3 * sec:8.1f} {flops / sec / 1e9:8.1f} {sec / base:7.2f}")
+        print(f"{name:>20} {1e3 * sec:8.1f} {flops / sec / 1e9:8.1f} {sec / base:8.2f}")
     print("\nper operation, all heads and rows (ms):")
     for name in parts:
         print(f"{name:>20} {1e3 * blocks * best[name]:8.1f}")

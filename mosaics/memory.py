@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .configuration_mosaics import MosaicsConfig
+from .cpu_extension import bank_extension
 from .gated_leaky import gated_leaky_average
 from .kernels import Kernel, get_kernel
 from .kernels.base import append_along_time
@@ -39,6 +40,10 @@ from .unit_norm import unit_forward, unit_vectors
 
 LEVELS = ("all", "short", "long")
 BANK_BLOCK = 448  # most bank slots per call of the fused CPU backward (see _BankAttention)
+BANK_ROWS = 256  # queries per block of the compiled CPU bank kernel (see _StoredBankAttention)
+# most bytes of probabilities one slot-bank call keeps for its backward on CPU (H N P floats;
+# above it the backward recomputes them: _BankAttention)
+STORED_PROBS_MAX_BYTES = 256 * 2**20
 EXP_SCALE = 10.0  # per-head scalars are stored divided by this (the reference's exp_param_scale)
 BETA_LOG_CAP = 5.0  # beta = exp(2 * min(10 b, 5)) <= e^10
 NORM_EPS = 1e-6
@@ -454,20 +459,54 @@ class _BankAttention(torch.autograd.Function):
         return dq, dk, dv
 
 
+class _StoredBankAttention(torch.autograd.Function):
+    """softmax(q k^T) v for (H, N, hs) fp32 queries and (H, P, hs) banks on CPU through the
+    compiled kernel (``mosaics/csrc/bank_attention.cpp``): the forward keeps the probabilities
+    (H N P floats), the backward reads them instead of recomputing q k^T and its exp, and every
+    product runs in oneDNN's batch-reduce GEMM. ``bench/bank_bound.py`` compares it with
+    :class:`_BankAttention`."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        y, *probs = bank_extension().forward(q, k, v, BANK_ROWS)
+        ctx.save_for_backward(q, k, v, y, *probs)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v, y, *probs = ctx.saved_tensors
+        dq, dk, dv = bank_extension().backward(grad.contiguous(), q, k, v, y, probs, BANK_ROWS)
+        return dq, dk, dv
+
+
+def stored_bank_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether :class:`_StoredBankAttention` takes (1, H, N, hs) fp32 CPU queries and banks:
+    their probabilities fit ``STORED_PROBS_MAX_BYTES`` and the kernel builds here."""
+    return (q.shape[0] == 1 and q.shape[2] > 0 and q.device.type == "cpu"
+            and all(t.dtype == torch.float32 for t in (q, k, v))
+            and 4 * q.shape[1] * q.shape[2] * k.shape[2] <= STORED_PROBS_MAX_BYTES
+            and bank_extension() is not None)
+
+
 def bank_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> Tensor:
-    """softmax(q k^T) v, unscaled, for (1, H, N, hs) queries and (1, H, P, hs) banks:
-    :class:`_BankAttention` on CPU without dropout when it applies, else the fused call."""
-    blocked = (q.device.type == "cpu" and dropout_p == 0.0 and k.shape[2] > BANK_BLOCK
-               and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                or v.requires_grad)
-               and blocked_attention_available())
-    if not blocked:
+    """softmax(q k^T) v, unscaled, for (1, H, N, hs) queries and (1, H, P, hs) banks. Training
+    on CPU without dropout: :class:`_StoredBankAttention` where it applies (fp32, the
+    probabilities within ``STORED_PROBS_MAX_BYTES``), else :class:`_BankAttention` above
+    ``BANK_BLOCK`` slots; otherwise, and for inference, the fused call."""
+    training_cpu = (q.device.type == "cpu" and dropout_p == 0.0 and torch.is_grad_enabled()
+                    and (q.requires_grad or k.requires_grad or v.requires_grad))
+    if not training_cpu:
         return F.scaled_dot_product_attention(q, k, v, scale=1.0, dropout_p=dropout_p)
     if torch.is_autocast_enabled("cpu"):  # as F.scaled_dot_product_attention under autocast
         dtype = torch.get_autocast_dtype("cpu")
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     with torch.autocast("cpu", enabled=False):
-        return _BankAttention.apply(q, k, v)
+        if stored_bank_applies(q, k, v):
+            return _StoredBankAttention.apply(q[0].contiguous(), k[0].contiguous(),
+                                              v[0].contiguous())[None]
+        if k.shape[2] > BANK_BLOCK and blocked_attention_available():
+            return _BankAttention.apply(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, scale=1.0)
 
 
 class PersistentMemory(nn.Module):
