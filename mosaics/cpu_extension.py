@@ -46,7 +46,7 @@ def bank_extension() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         module = load(name=f"mosaics_bank_{capability.lower()}", sources=[str(SOURCE)],
-                      extra_cflags=["-O3", *flags], verbose=False)
+                      extra_cflags=["-O3", "-fopenmp", *flags], verbose=False)
         _check(module)
     except Exception as err:  # no compiler, no ninja, an unsupported CPU, a wrong result
         warnings.warn(f"mosaics: the compiled CPU slot-bank kernel is unavailable "
