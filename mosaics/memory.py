@@ -424,7 +424,8 @@ _FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 class _BankAttention(torch.autograd.Function):
     """softmax(q k^T) v for (1, H, N, hs) queries and (1, H, P, hs) banks on CPU: the fused
-    forward in one call, the fused backward in blocks of at most ``BANK_BLOCK`` bank slots.
+    forward in one call, the fused backward in blocks of at most ``BANK_BLOCK`` bank slots
+    (where the compiled :class:`_StoredBankAttention` does not apply).
 
     A flash backward needs only P = exp(S - lse) and rowsum(dO * O) of the whole row, so each
     block of slots yields its own dK, dV and a share of dq (exact, as in
@@ -434,8 +435,8 @@ class _BankAttention(torch.autograd.Function):
     H 12, P 2688, hs 64. Measured and not kept (N 2048, H 8, P 896, hs 32, 1 thread): the
     forward as two 448-slot calls merged through their lse (1.15x the single call), the
     backward as explicit batched GEMMs over rows of 128-512 queries (1.5-1.8x), and keeping
-    the probabilities instead of recomputing them (0.95-1.06x, for 3.5 H d more saved floats
-    per token; ``bench/bank_bound.py``).
+    the probabilities instead of recomputing them as PyTorch ops (0.95-1.06x;
+    ``bench/bank_bound.py``). :class:`_StoredBankAttention` keeps them in compiled code.
     """
 
     @staticmethod
