@@ -19,6 +19,7 @@ from types import ModuleType
 import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "bank_attention.cpp"
+NAME = "mosaics_bank"  # the build's name, with the capability appended
 ENV = "MOSAICS_CPU_EXTENSION"
 # the compiler flags of ATen's own kernels for each capability torch reports
 CAPABILITY_FLAGS = {
@@ -45,7 +46,7 @@ def bank_extension() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name=f"mosaics_bank_{capability.lower()}", sources=[str(SOURCE)],
+        module = load(name=f"{NAME}_{capability.lower()}", sources=[str(SOURCE)],
                       extra_cflags=["-O3", "-fopenmp", *flags], verbose=False)
         _check(module)
     except Exception as err:  # no compiler, no ninja, an unsupported CPU, a wrong result

@@ -122,6 +122,9 @@ def test_build_failure_warns_and_falls_back(monkeypatch, tmp_path):
     broken = tmp_path / "bank_attention.cpp"
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(cpu_extension, "SOURCE", broken)
+    # its own name: a build of another source under the kernel's name would make the next
+    # load in this process rebuild the kernel (torch versions builds by name and source)
+    monkeypatch.setattr(cpu_extension, "NAME", "mosaics_bank_broken_test")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))
     cpu_extension.bank_extension.cache_clear()
     try:
