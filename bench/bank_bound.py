@@ -1,5 +1,6 @@
-"""How fast could the persistent memory's slot-bank attention be? Its fused kernel against the
-sum of its own matrix products and softmax passes, each timed alone, and against GPT-2's MLP.
+"""How fast could the persistent memory's slot-bank attention be? Its compiled kernel and
+PyTorch's fused form against the sum of its matrix products and softmax passes, each timed
+alone, and against GPT-2's MLP.
 
 The slot banks compute y = softmax(q K^T) V for N = batch T unit queries and P = 3.5 d slots
 per head (forward + backward; q: (H, N, hs), K and V: (H, P, hs)). Rows:

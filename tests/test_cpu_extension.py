@@ -55,6 +55,9 @@ def test_stored_kernel_refuses_bad_input():
         ext.forward(q.double(), k, k, 4)
     with pytest.raises(RuntimeError, match="bank shapes"):
         ext.forward(q, torch.randn(3, 7, 8), torch.randn(3, 7, 8), 4)
+    y, *probs = ext.forward(q, k, k, 4)
+    with pytest.raises(RuntimeError, match="g and y must be shaped as q"):
+        ext.backward(torch.randn(2, 6, 8), q, k, k, y, probs, 4)
 
 
 def bank_inputs(H=2, N=40, P=30, hs=8):

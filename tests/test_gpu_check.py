@@ -10,12 +10,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def load_bench(name: str):
+    """bench/<name>.py as a module, with bench/ on the import path while it loads."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return module
+
+
 def test_gpu_check_smoke_run_on_cpu(tmp_path: Path) -> None:
     from mosaics import available_kernels
 
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_bench("gpu_check")
     code = module.main(["--device", "cpu", "--quick", "--sections", "throughput", "kernels",
                         "--out", str(tmp_path)])
     assert code == 0
@@ -65,15 +75,9 @@ def test_kernels_section_times_both_backends_when_the_fused_one_runs() -> None:
 
 def test_bank_bound_smoke_run() -> None:
     """bench/bank_bound.py runs at a tiny size and times every row."""
-    spec = importlib.util.spec_from_file_location("bank_bound", ROOT / "bench" / "bank_bound.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec.loader.exec_module(module)
-        rows = module.main(["--T", "16", "--batch", "2", "--n-embd", "32", "--n-head", "2",
-                            "--rows", "8", "--repeats", "1", "--rounds", "1"])
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    rows = load_bench("bank_bound").main(["--T", "16", "--batch", "2", "--n-embd", "32",
+                                          "--n-head", "2", "--rows", "8", "--repeats", "1",
+                                          "--rounds", "1"])
     from mosaics.cpu_extension import bank_extension
 
     expected = {"bank_attention", "fused (PyTorch)", "parts, recomputing", "parts, storing P",
@@ -88,20 +92,16 @@ def test_bank_bound_smoke_run() -> None:
 
 def test_bank_bound_stored_scheme_matches_bank_attention() -> None:
     """The stored-probability scheme the bench times computes the same output and gradients
-    as the fused bank attention, with a last block of rows shorter than the others."""
+    as ``bank_attention`` (the training path: the compiled kernel where it builds, else the
+    fused backward in blocks of slots, P > 448), with a last block of rows shorter than the
+    others."""
     import torch
 
     from mosaics.memory import bank_attention
 
-    spec = importlib.util.spec_from_file_location("bank_bound", ROOT / "bench" / "bank_bound.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    module = load_bench("bank_bound")
     torch.manual_seed(0)
-    H, N, P, hs = 3, 45, 600, 8  # P > 448: the fused backward runs in blocks of slots
+    H, N, P, hs = 3, 45, 600, 8
     q = torch.nn.functional.normalize(torch.randn(H, N, hs), dim=-1).requires_grad_()
     k, v = (torch.randn(H, P, hs).requires_grad_() for _ in range(2))
     g = torch.randn(H, N, hs)

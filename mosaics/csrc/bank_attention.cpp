@@ -94,13 +94,16 @@ std::vector<torch::Tensor> bank_backward(torch::Tensor g, torch::Tensor q, torch
                                          std::vector<torch::Tensor> probs, int64_t rows) {
   for (auto* t : {&g, &q, &k, &v, &y}) check(*t, "bank tensors");
   const int64_t H = q.size(0), N = q.size(1), D = q.size(2), P = k.size(1);
-  TORCH_CHECK(static_cast<int64_t>(probs.size()) == H, "one probability buffer per head");
+  TORCH_CHECK(g.sizes() == q.sizes() && y.sizes() == q.sizes() && k.sizes() == v.sizes() &&
+                  static_cast<int64_t>(probs.size()) == H && rows > 0,
+              "bank backward: g and y must be shaped as q, one probability buffer per head");
   auto vt = v.transpose(1, 2).contiguous();  // (H, D, P)
   auto dq = torch::empty_like(q);
   // each head's row blocks split into `groups` tasks, enough to give every thread one; each
   // task sums its dk^T and dv^T into its own (D, P) slice, added up after
   const int64_t blocks = (N + rows - 1) / rows;
-  const int64_t groups = std::min(blocks, std::max<int64_t>(1, (at::get_num_threads() + H - 1) / H));
+  const int64_t groups =
+      std::min(blocks, std::max<int64_t>(1, (at::get_num_threads() + H - 1) / H));
   const int64_t per_group = (blocks + groups - 1) / groups;
   auto dkt = torch::zeros({H, groups, D, P}, q.options());
   auto dvt = torch::zeros({H, groups, D, P}, q.options());
