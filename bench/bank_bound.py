@@ -5,11 +5,11 @@ alone, and against GPT-2's MLP.
 The slot banks compute y = softmax(q K^T) V for N = batch T unit queries and P = 3.5 d slots
 per head (forward + backward; q: (H, N, hs), K and V: (H, P, hs)). Rows:
 
-- ``bank_attention``: what a training step runs (:func:`mosaics.memory.bank_attention`: the
+- ``bank_attention``: what a training step runs (:func:`mosaics.ops.bank_attention`: the
   compiled kernel where it builds, else ``fused (PyTorch)``);
 - ``fused (PyTorch)``: PyTorch's fused CPU forward and its backward in blocks of slots
-  (:class:`mosaics.memory._BankAttention`, which recomputes the probabilities);
-- ``compiled, storing P``: the compiled kernel (:class:`mosaics.memory._StoredBankAttention`:
+  (:class:`mosaics.ops.banks._BankAttention`, which recomputes the probabilities);
+- ``compiled, storing P``: the compiled kernel (:class:`mosaics.ops.banks._StoredBankAttention`:
   probabilities kept, oneDNN's batch-reduce GEMM), when it builds here;
 - ``parts, recomputing``: the work of that fused backward, op by op on one head and one block
   of ``--rows`` queries at a time (operands in cache, outputs preallocated), times H N / rows:
@@ -41,8 +41,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 
 from mosaics import MosaicsConfig
 from mosaics.baselines import gpt2_config_like
-from mosaics.cpu_extension import bank_extension
-from mosaics.memory import _BankAttention, _StoredBankAttention, bank_attention
+from mosaics.ops.banks import _BankAttention, _StoredBankAttention, bank_attention, bank_extension
 
 Run = Callable[[], None]
 
@@ -53,7 +52,7 @@ def bank_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, form=None) -> Ru
     def run() -> None:
         q.grad = k.grad = v.grad = None
         if form is None:
-            bank_attention(q[None], k[None], v[None]).sum().backward()
+            bank_attention(q, k, v).sum().backward()
         else:
             form(q, k, v).sum().backward()
     return run

@@ -29,7 +29,7 @@ from transformers import GPT2LMHeadModel
 
 from mosaics import MosaicsConfig, MosaicsForCausalLM
 from mosaics.baselines import gpt2_config_like
-from mosaics.memory import bank_attention
+from mosaics.ops import bank_attention
 
 
 def forward_backward(module: torch.nn.Module, x: torch.Tensor) -> Callable[[], None]:
@@ -52,8 +52,8 @@ def bank_part(mm_model: MosaicsForCausalLM, batch: int, T: int) -> Callable[[], 
     def run() -> None:
         q.grad = None
         pmem.zero_grad(set_to_none=True)
-        keys, values = pmem.scaled_banks()
-        bank_attention(q, keys[None], values[None]).sum().backward()
+        w = pmem.weights()
+        bank_attention(q[0], w.keys, w.values).sum().backward()
     return run
 
 

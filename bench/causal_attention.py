@@ -1,4 +1,4 @@
-"""Blocked causal attention (``mosaics.kernels.causal_attention``) against one fused call.
+"""Blocked causal attention (``mosaics.ops.causal``) against one fused call.
 
 Forward + backward of softmax(q k^T / sqrt(hs) + causal mask) v on random (B, H, T, hs)
 inputs, fp32 CPU. Baseline, in the same process and alternating call by call:
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from timing import best_of
 
-from mosaics.kernels.causal_attention import _BlockedCausal, causal_attention
+from mosaics.ops.causal import _BlockedCausal, causal_attention
 
 
 def cases(q, k, v, g, scale: float, blocks: list[int]) -> dict:

@@ -36,7 +36,7 @@ class MosaicsConfig(PretrainedConfig):
             (``logits`` is then ``None``); 0 always materialises them.
         gated_keys: Memory Mosaics v2 keys in the contextual memory: kbar_t = g_t k~_t +
             lambda_t kbar_{t-1} with g_t = exp(W_g x_t), lambda_t = exp(-|W_lambda x_t + b|)
-            per head (W_g = W_lambda = 0 at init: the v1 average). See ``memory_v2.py``.
+            per head (W_g = W_lambda = 0 at init: the v1 average). See ``mosaics/memory.py``.
         persistent_memory: ``"banks"`` (v1: attention over P learned slots) or ``"swiglu"``
             (v2: W2 (SiLU(W1 x) * W3 x)).
         swiglu_hidden: hidden width of the SwiGLU persistent memory; ``None`` gives 3 d, the

@@ -1,52 +1,49 @@
-"""The two memories of a Memory Mosaics block.
+"""The Memory Mosaics block as maths: a contextual memory and a persistent memory.
 
-ContextualMemory (replaces self-attention), per head h, with x_t the LayerNorm'd input:
+Contextual memory (replaces self-attention), per head h, with x_t the LayerNorm'd input:
 
-    kbar_t = W_k x_t + lambda_h kbar_{t-1},  lambda_h = exp(-10 |p_h|),   k_t = kbar_t / |kbar_t|
-    vbar_t = (1 - c_h) W_v x_{t+1} + c_h W_v x_t,    v_t = e^{10 q_h} vbar_t / |vbar_t|
-    y_t    = kernel({(k_s, v_s) : s < t}, query k_t, bandwidth beta_h = exp(2 min(10 b_h, 5)))
+    k~_t = W_k x_t,  v~_t = W_v x_t
+    kbar_t = g_t k~_t + lambda_t kbar_{t-1},      k_t = kbar_t / |kbar_t|        (keys = queries)
+    v_t = e^{10 q_h} unit((1 - c_h) v~_{t+1} + c_h v~_t)                        (look-ahead value)
+    y_t = sum_{s in S_t} w_ts v_s,   w_t. = kernel(beta_t k_t . k_s for s in S_t)
 
-The memory at t holds s <= t - 1 only: v_{t-1} already contains x_t, so s = t would leak
-x_{t+1}. Every kernel is linear in the values, so the memory stores unit values and the scale
-e^{10 q_h} multiplies c_proj's columns of head h instead.
+- v1: g_t = 1, lambda_t = exp(-10 |p_h|), beta_h = exp(2 min(10 b_h, 5)), S_t = {s < t}. The
+  memory at t holds s <= t - 1 only: v_{t-1} already contains x_t, so s = t would leak x_{t+1}.
+- Options of the same block (Memory Mosaics v2 turns them all on): gated keys
+  g_t = exp(W_g x_t), lambda_t = exp(-|W_lambda x_t + b_h|); an adaptive bandwidth
+  beta = beta1 n^alpha + beta0 of the n entries a query sees; a short-term memory
+  (S_t = the last h - 1 entries) beside a long-term one (S_t = {s <= t - m}), summed; document
+  masking (S_t and the leaky sums restart at each document). :mod:`mosaics.positions` gives S_t.
 
-PersistentMemory (replaces the MLP) queries learned banks M_k, M_v (H, P, hs) with its own
-leaky-averaged key: y_t = e^{10 q'_h} softmax(beta'_h k_t M_k^T) M_v, with beta'_h and
-e^{10 q'_h} applied to the (H, P, hs) banks rather than to the per-token queries and outputs.
+Persistent memory (replaces the MLP): the same leaky-averaged unit key queries learned banks,
+y_t = e^{10 q'_h} softmax(beta'_h k_t M_k^T) M_v; or, as in v2, a SwiGLU W2 (SiLU(W1 x) * W3 x).
 
-Decoding (``forward(x, state)`` with a non-empty state) continues from the running sums in
-O(1) per token for the leaky parts; the functions of the parameters a step needs (stacked
-projections, decays, bandwidths, scaled c_proj and banks) are computed once, at the prompt,
-and kept in the state.
+Every kernel is linear in the values, so the memory stores unit values and the scale e^{10 q_h}
+multiplies c_proj's columns of head h; beta' and e^{10 q'} go on the (H, P, hs) banks. One
+``forward`` serves training, the prompt and decoding: the state (:mod:`mosaics.cache`) carries
+the running key sum, the last key and raw value, and the memory entries. The fast forms of the
+maths live in :mod:`mosaics.ops`; :mod:`mosaics.reference` writes the model out position by
+position.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .cache import BankState, ContextualWeights, MemoryState, PersistentWeights
 from .configuration_mosaics import MosaicsConfig
-from .cpu_extension import bank_extension
-from .gated_leaky import gated_leaky_average
 from .kernels import Kernel, get_kernel
-from .kernels.base import append_along_time
-from .kernels.causal_attention import blocked_attention_available
-from .leaky import continue_leaky_sum, decay_rate, leaky_average
-from .memory_v2 import AdaptiveBandwidth, GatedKeys, Positions, visible_interval
-from .unit_norm import unit_forward, unit_vectors
+from .kernels.base import append_memory
+from .ops import bank_attention, decay_rate, leaky_average, lookahead_values, unit_vectors
+from .positions import Positions, visible_interval
 
-LEVELS = ("all", "short", "long")
-BANK_BLOCK = 448  # most bank slots per call of the fused CPU backward (see _BankAttention)
-BANK_ROWS = 256  # queries per block of the compiled CPU bank kernel (see _StoredBankAttention)
-# most bytes of probabilities one slot-bank call keeps for its backward on CPU (H N P floats;
-# above it the backward recomputes them: _BankAttention)
-STORED_PROBS_MAX_BYTES = 256 * 2**20
 EXP_SCALE = 10.0  # per-head scalars are stored divided by this (the reference's exp_param_scale)
 BETA_LOG_CAP = 5.0  # beta = exp(2 * min(10 b, 5)) <= e^10
+THETA_CAP = 10.0  # adaptive bandwidth: beta0, beta1 <= e^10
 NORM_EPS = 1e-6
+LEVELS = ("all", "short", "long")
 
 
 def bandwidth(b: Tensor) -> Tensor:
@@ -66,77 +63,13 @@ def merge_heads(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(B, T, H * hs)
 
 
-class _LookaheadValues(torch.autograd.Function):
-    """Unit values of a whole sequence, v_s = unit((1 - c) v~_{s+1} + c v~_s) for s < T with
-    v~_T := 0, from raw values v~ (B, H, T, hs) and the (H,) mix c, in one function.
-
-    The same numbers as padding v~, lerping its shifted views and normalising, without the
-    padded copy, the slices' zero-filled gradients and their sum: backward is
-    d vbar = (g - u <g, u>) / |vbar|, dv~_s = c d vbar_s + (1 - c) d vbar_{s-1} (one lerp),
-    dc = sum_s <v~_s - v~_{s+1}, d vbar_s>. The contextual memory's forward + backward took
-    1-2% less (1 thread, B 8, H 8, T 256, hs 32, four alternating runs).
-    """
-
-    @staticmethod
-    def forward(ctx, v: Tensor, c: Tensor, eps: float) -> Tensor:
-        w = c.view(1, -1, 1, 1).to(v.dtype)
-        vbar = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        torch.lerp(v[:, :, 1:], v[:, :, :-1], w, out=vbar[:, :, :-1])
-        last = v[:, :, -1:]
-        torch.lerp(torch.zeros_like(last), last, w, out=vbar[:, :, -1:])
-        u, inv, norm = unit_forward(vbar, eps)
-        ctx.save_for_backward(v, c, u, inv, norm > eps)
-        return u
-
-    @staticmethod
-    def backward(ctx, g: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
-        v, c, u, inv, active = ctx.saved_tensors
-        dot = (g * u).sum(-1, keepdim=True) * active  # no radial part where |vbar| < eps
-        dvbar = torch.addcmul(g, u, dot, value=-1.0).mul_(inv)
-        dv = dc = None
-        if ctx.needs_input_grad[0]:
-            w = c.view(1, -1, 1, 1).to(dvbar.dtype)
-            dv = torch.empty_like(dvbar)
-            torch.lerp(dvbar[:, :, :-1], dvbar[:, :, 1:], w, out=dv[:, :, 1:])
-            first = dvbar[:, :, :1]
-            torch.lerp(torch.zeros_like(first), first, w, out=dv[:, :, :1])
-        if ctx.needs_input_grad[1]:
-            acc = torch.promote_types(g.dtype, torch.float32)
-            dc = ((v[:, :, :-1] - v[:, :, 1:]) * dvbar[:, :, :-1]).sum((0, 2, 3), dtype=acc)
-            dc += (v[:, :, -1:] * dvbar[:, :, -1:]).sum((0, 2, 3), dtype=acc)
-            dc = dc.to(c.dtype)
-        return dv, dc, None
-
-
-class ContextualWeights(NamedTuple):
-    """What a decoding step of :class:`ContextualMemory` reuses: the stacked projection
-    [W_k; W_v] (2d, d), the log-decay a (H,) and decay lambda = e^{-a} (H, 1), the bandwidth
-    beta (H,), the value mix c (1, H, 1, 1) and c_proj with the value scale on its columns."""
-
-    kv: Tensor
-    log_decay: Tensor
-    decay: Tensor
-    beta: Tensor
-    mix: Tensor
-    out: Tensor
-
-
-class PersistentWeights(NamedTuple):
-    """What a decoding step of :class:`PersistentMemory` reuses: a (H,), lambda (H, 1), the
-    transposed scaled key bank (beta' M_k)^T (H, hs, P) and the value bank e^{10 q'} M_v."""
-
-    log_decay: Tensor
-    decay: Tensor
-    keys_t: Tensor
-    values: Tensor
-
-
 @torch.no_grad()
-def init_head_scalars(leaky_p: Tensor, bandwidth_b: Tensor, value_q: Tensor) -> None:
+def init_head_scalars(leaky_p: Tensor | None, bandwidth_b: Tensor | None, value_q: Tensor) -> None:
     """Reference init: decays lambda_h = exp(-linspace(0.5, 5, H)), beta = e^2, scale e^-0.5."""
-    H = leaky_p.numel()
-    leaky_p.copy_(torch.linspace(0.5, 5.0, H) / EXP_SCALE)
-    bandwidth_b.fill_(1.0 / EXP_SCALE)
+    if leaky_p is not None:
+        leaky_p.copy_(torch.linspace(0.5, 5.0, leaky_p.numel()) / EXP_SCALE)
+    if bandwidth_b is not None:
+        bandwidth_b.fill_(1.0 / EXP_SCALE)
     value_q.fill_(-0.5 / EXP_SCALE)
 
 
@@ -147,20 +80,72 @@ def orthogonal_value_matrix(d: int, seed: int) -> Tensor:
     return (q * torch.sign(torch.diagonal(r))).float()
 
 
+class GatedKeys(nn.Module):
+    """Per-step gain and log-decay of the key sum: g_t = exp(W_g x_t), a_t = |W_lambda x_t + b|.
+    W_g = W_lambda = 0 and b = linspace(0.5, 5, H) at init: exactly the v1 average."""
+
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.gate = nn.Linear(n_embd, n_head, bias=False)
+        self.decay = nn.Linear(n_embd, n_head, bias=False)
+        self.decay_offset = nn.Parameter(torch.empty(n_head))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.gate.weight)
+        nn.init.zeros_(self.decay.weight)
+        self.decay_offset.copy_(torch.linspace(0.5, 5.0, self.n_head))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, T, d) inputs -> gains g_t and log-decays a_t, each (B, H, T)."""
+        gain = torch.exp(self.gate(x)).transpose(1, 2)
+        log_decay = (self.decay(x) + self.decay_offset).abs().transpose(1, 2)
+        return gain, log_decay
+
+
+class AdaptiveBandwidth(nn.Module):
+    """beta_h(n) = beta1_h n^alpha_h + beta0_h for a query that sees n entries;
+    beta0 = e^{min(theta0, 10)}, beta1 = e^{min(theta1, 10)}, alpha = min(|theta2|, 1)."""
+
+    def __init__(self, n_head: int) -> None:
+        super().__init__()
+        self.theta0 = nn.Parameter(torch.empty(n_head))
+        self.theta1 = nn.Parameter(torch.empty(n_head))
+        self.theta2 = nn.Parameter(torch.empty(n_head))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """thetas 1.5, 1.5 and alpha = 1/3."""
+        self.theta0.fill_(1.5)
+        self.theta1.fill_(1.5)
+        self.theta2.fill_(1.0 / 3.0)
+
+    def forward(self, visible: Tensor) -> Tensor:
+        """(..., T) counts of visible entries -> (..., H, T) bandwidths."""
+        beta0 = torch.exp(self.theta0.clamp(max=THETA_CAP)).view(-1, 1)
+        beta1 = torch.exp(self.theta1.clamp(max=THETA_CAP)).view(-1, 1)
+        alpha = self.theta2.abs().clamp(max=1.0).view(-1, 1)
+        return beta1 * visible.to(beta0.dtype).unsqueeze(-2).pow(alpha) + beta0
+
+
 class ContextualMemory(nn.Module):
-    """In-context associative memory with a pluggable retrieval kernel."""
+    """In-context associative memory with a pluggable retrieval kernel (module docstring).
+
+    ``level``: "all" (every past entry), "short" (the last ``short_term_window`` - 1) or
+    "long" (entries at least the long-term gap back)."""
 
     def __init__(self, config: MosaicsConfig, layer_idx: int = 0, level: str = "all") -> None:
         super().__init__()
-        d, H = config.n_embd, config.n_head
-        self.n_head, self.chunk = H, config.leaky_chunk_size
         if level not in LEVELS:
             raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
-        # which memory entries a query sees: all of the past, the last h - 1 keys (short) or
-        # the keys at least m back (long); see ``visible_interval``
-        self.level = level
+        d, H = config.n_embd, config.n_head
+        self.n_head, self.chunk, self.level = H, config.leaky_chunk_size, level
         self.window = config.short_term_window if level == "short" else None
-        self.general = config.uses_visibility  # per-query intervals through Kernel.attend
+        self.intervals = config.uses_visibility  # per-query intervals through Kernel.attend
+        # (modules in the order of earlier releases: optimizer states in checkpoints follow it)
         self.adaptive = AdaptiveBandwidth(H) if config.adaptive_bandwidth else None
         self.k_proj = nn.Linear(d, d, bias=False) if config.key_projection else None
         if config.fixed_value_projection:
@@ -169,13 +154,10 @@ class ContextualMemory(nn.Module):
             self.register_buffer("v_fixed", orthogonal_value_matrix(d, seed))
         else:
             self.v_proj = nn.Linear(d, d, bias=False)
-        self.leaky_p = nn.Parameter(torch.empty(H))  # key decay, lambda = exp(-10 |p|)
-        # v2: input-dependent gain and decay per step replace the fixed decay lambda_h
-        self.gated = GatedKeys(d, H, config.leaky_chunk_size) if config.gated_keys else None
-        if self.gated is not None:
-            del self.leaky_p
-            self.register_parameter("leaky_p", None)
-        # beta = exp(2 min(10 b, 5)); v2's adaptive bandwidth replaces it
+        self.gated = GatedKeys(d, H) if config.gated_keys else None
+        # key decay lambda = exp(-10 |p|), unless gated keys give one per step
+        self.leaky_p = nn.Parameter(torch.empty(H)) if self.gated is None else None
+        # beta = exp(2 min(10 b, 5)), unless the adaptive bandwidth gives one per query
         self.bandwidth_b = nn.Parameter(torch.empty(H)) if self.adaptive is None else None
         self.lookahead_c = nn.Parameter(torch.empty(H))  # value mix of x_t and x_{t+1}
         self.value_q = nn.Parameter(torch.empty(H))  # value scale exp(10 q)
@@ -188,330 +170,138 @@ class ContextualMemory(nn.Module):
 
     @torch.no_grad()
     def reset_scalars(self) -> None:
-        leaky_p = self.leaky_p if self.leaky_p is not None else torch.empty(self.n_head)
-        b = self.bandwidth_b if self.bandwidth_b is not None else torch.empty(self.n_head)
-        init_head_scalars(leaky_p, b, self.value_q)
+        init_head_scalars(self.leaky_p, self.bandwidth_b, self.value_q)
         self.lookahead_c.uniform_(0.0, 1.0)
-        if self.gated is not None:
-            self.gated.reset_parameters()
-        if self.adaptive is not None:
-            self.adaptive.reset_parameters()
+        for part in (self.gated, self.adaptive):
+            if part is not None:
+                part.reset_parameters()
 
-    def keys(self, x: Tensor, k_raw: Tensor, state: Tensor | None = None,
-             documents: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """Unit keys (B, H, T, hs), the un-normalised averages and the last one (B, H, hs),
-        from inputs x (B, T, d) and key features k_raw, continuing ``state``; with
-        ``documents`` (B, T) ids the averages restart where the id changes."""
-        if self.gated is not None:
-            kbar, last = self.gated.averages(x, k_raw, state, documents)
-        elif documents is not None:
-            a = decay_rate(self.leaky_p, EXP_SCALE).to(k_raw.dtype)
-            B, H, T, _ = k_raw.shape
-            kbar, last = gated_leaky_average(k_raw, k_raw.new_ones(B, H, T),
-                                             a.view(1, H, 1).expand(B, H, T), self.chunk,
-                                             state, documents)
-        elif state is None:
-            kbar = leaky_average(k_raw, decay_rate(self.leaky_p, EXP_SCALE), None, self.chunk)
-            last = kbar[:, :, -1].clone()
-        else:
-            a = decay_rate(self.leaky_p, EXP_SCALE)
-            kbar, last = continue_leaky_sum(state, k_raw, a, torch.exp(-a).view(-1, 1),
-                                            self.chunk)
-        return unit_vectors(kbar, NORM_EPS), kbar, last
-
-    def project(self, x: Tensor, kv: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Raw key and value features W_k x, W_v x as (B, H, T, hs); ``kv``: the stacked
-        weight of :meth:`stacked_projection`, when already at hand."""
-        if kv is None and self.k_proj is not None and self.v_proj is not None:
-            kv = self.stacked_projection()
-        if kv is not None:  # one GEMM for both
-            k, v = F.linear(x, kv).chunk(2, dim=-1)
-            return split_heads(k, self.n_head), split_heads(v, self.n_head)
-        k = self.k_proj(x) if self.k_proj is not None else x
-        v = self.v_proj(x) if self.v_proj is not None else x @ self.v_fixed.to(x.dtype)
-        return split_heads(k, self.n_head), split_heads(v, self.n_head)
-
-    def stacked_projection(self) -> Tensor:
-        """[W_k; W_v], (2d, d): W_k = I without a key projection, W_v = the fixed orthogonal
-        matrix's transpose without a value projection."""
-        d = self.c_proj.weight.shape[1]
+    def weights(self) -> ContextualWeights:
+        """The parameters in the form the forward uses (kept in the decoding state): W_k = I
+        without a key projection, W_v = the fixed orthogonal matrix without a value one."""
+        wc = self.c_proj.weight
+        d = wc.shape[1]
         wk = self.k_proj.weight if self.k_proj is not None else torch.eye(
-            d, device=self.c_proj.weight.device, dtype=self.c_proj.weight.dtype)
-        wv = self.v_proj.weight if self.v_proj is not None else self.v_fixed.T
-        return torch.cat([wk, wv.to(wk.dtype)])
+            d, device=wc.device, dtype=wc.dtype)
+        wv = self.v_proj.weight if self.v_proj is not None else self.v_fixed.T.to(wk.dtype)
+        ones = torch.ones_like(self.value_q)
+        scale = torch.exp(self.value_q * EXP_SCALE).repeat_interleave(d // self.n_head)
+        a = decay_rate(self.leaky_p, EXP_SCALE) if self.gated is None else ones
+        return ContextualWeights(
+            kv=torch.cat([wk, wv]), log_decay=a, decay=torch.exp(-a).view(-1, 1),
+            beta=bandwidth(self.bandwidth_b) if self.adaptive is None else ones,
+            mix=self.lookahead_c,
+            out=wc * scale)
 
-    def decode_weights(self) -> ContextualWeights:
-        if self.leaky_p is not None:
-            a = decay_rate(self.leaky_p, EXP_SCALE)
-        else:  # gated keys: the decay comes from each token (see ``keys``)
-            a = torch.zeros_like(self.value_q)
-        # adaptive bandwidth: beta is computed per query (``forward_intervals``)
-        beta = (bandwidth(self.bandwidth_b) if self.bandwidth_b is not None
-                else torch.ones_like(self.value_q))
-        return ContextualWeights(kv=self.stacked_projection(), log_decay=a,
-                                 decay=torch.exp(-a).view(-1, 1), beta=beta,
-                                 mix=self.lookahead_c.view(1, -1, 1, 1),
-                                 out=self.c_proj.weight * self.value_scale())
-
-    def finish_values(self, v_raw: Tensor) -> Tensor:
-        """Unit values vbar_s / |vbar_s| from consecutive raw values (v~_s, v~_{s+1}):
-        (B, H, n+1, hs) -> (B, H, n, hs). Their scale e^{10 q_h} is applied in ``output``."""
-        c = self.lookahead_c.view(1, -1, 1, 1).to(v_raw.dtype)
-        vbar = torch.lerp(v_raw[:, :, 1:], v_raw[:, :, :-1], c)  # (1 - c) v~_{s+1} + c v~_s
-        return unit_vectors(vbar, NORM_EPS)
-
-    def output(self, y: Tensor) -> Tensor:
-        """c_proj of the merged heads, (B, H, T, hs) -> (B, T, d), with the value scale.
-
-        A kernel's retrieval is linear in the values (y_t = sum_s w_ts v_s), so the per-head
-        scale e^{10 q_h} of every value goes on the matching c_proj columns, a d x d product,
-        instead of on the (B, H, T, hs) values.
-        """
-        return F.linear(merge_heads(y), self.c_proj.weight * self.value_scale().to(y.dtype))
-
-    def value_scale(self) -> Tensor:
-        """e^{10 q_h} repeated over each head's hs columns of c_proj, (d,)."""
-        hs = self.c_proj.weight.shape[1] // self.n_head
-        return torch.exp(self.value_q * EXP_SCALE).repeat_interleave(hs)
-
-    def forward(self, x: Tensor, state: dict | None = None,
-                pos: Positions | None = None) -> tuple[Tensor, dict | None]:
-        """x: (B, T, d). ``state``: this layer's decoding state; ``None`` for training, ``{}``
-        to start one (prefill), else it is continued (see :meth:`extend`). ``pos``: where
-        the tokens sit (documents, long-term gap), used by the v2 memory options."""
-        if self.general:
-            return self.forward_intervals(x, state, pos)
-        if state:
-            if x.shape[1] == 1 and not (torch.is_grad_enabled() or self.training):
-                return self._step(x, state)
-            return self.extend(x, state)
-        k_raw, v_raw = self.project(x)
-        keys, kbar, last = self.keys(x, k_raw)
-        # full sequence: v~_T := 0 past the end (v_{T-1} is never retrieved in-window)
-        values = _LookaheadValues.apply(v_raw, self.lookahead_c, NORM_EPS)
-        y = self.resid_dropout(self.output(self.kernel(keys, values, bandwidth(self.bandwidth_b))))
-        if state is None:
-            return y, None
-        # prefill: the memory holds (k_s, v_s) for s < T - 1; v_{T-1} waits for x_T
-        kstate = self.kernel.init_state(x.shape[0], self.n_head, keys.shape[-1], x.device,
-                                        values.dtype)
-        kstate = self.kernel.prefill_state(kstate, keys[:, :, :-1], values[:, :, :-1])
-        return y, {"kbar": last, "key": keys[:, :, -1:],
-                   "v_raw": v_raw[:, :, -1:], "kernel": kstate, "weights": self.decode_weights()}
-
-    def _step(self, x: Tensor, state: dict) -> tuple[Tensor, dict]:
-        """:meth:`extend` for one token per row without gradients (the decoding hot path):
-        the same maths in a dozen ops on (B, H, hs) tensors, the running sum in place."""
-        w: ContextualWeights = state["weights"]
-        B, _, d = x.shape
-        kv = F.linear(x.view(B, d), w.kv).view(B, 2, self.n_head, d // self.n_head)
-        if self.gated is not None:
-            gain, log_decay = self.gated.rates(x)  # (B, H, 1)
-            kbar = torch.addcmul(kv[:, 0] * gain, state["kbar"], torch.exp(-log_decay),
-                                 out=state["kbar"])
+    def forward(self, x: Tensor, pos: Positions | None = None, state: MemoryState | None = None,
+                use_cache: bool = False) -> tuple[Tensor, MemoryState | None]:
+        """x: (B, n, d) -> (B, n, d). ``state``: continue decoding from it; ``use_cache``: return
+        the state after these tokens (the prompt, or decoding). ``pos``: where the tokens sit
+        (documents, long-term gap) when the memory uses visible intervals."""
+        B, n, d = x.shape
+        w = state.weights if state is not None else self.weights()
+        kv = F.linear(x, w.kv).view(B, n, 2, self.n_head, d // self.n_head)
+        k_raw, v_raw = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (B, H, n, hs)
+        # keys: leaky sums continuing the state (restarted by a new document), unit norm
+        initial = None if state is None else state.kbar
+        if initial is not None and pos is not None and pos.restart is not None:
+            initial = initial * (~pos.restart).to(initial.dtype).view(B, 1, 1)
+        gain, log_decay = self.gated(x) if self.gated is not None else (None, w.log_decay)
+        kbar, last = leaky_average(k_raw, log_decay, gain=gain, initial=initial,
+                                   documents=None if pos is None else pos.documents,
+                                   chunk=self.chunk, decay=w.decay)
+        keys = unit_vectors(kbar, NORM_EPS)
+        # values: each x_t finishes v_{t-1}; a whole sequence ends with v~_n := 0
+        if state is None:  # entries 0 .. n - 1
+            values = lookahead_values(v_raw, w.mix, eps=NORM_EPS)
+            entry_keys = keys
+        else:  # entries p0 - 1 .. p0 + n - 2
+            values = lookahead_values(v_raw, w.mix, state.v_raw, NORM_EPS)
+            entry_keys = state.key if n == 1 else torch.cat([state.key, keys[:, :, :-1]], 2)
+        if self.intervals:
+            y, memory, base = self.attend(keys, entry_keys, values, w, pos, state, use_cache)
+        elif state is None:
+            y = self.kernel(keys, values, w.beta)
+            memory, base = None, 0
+            if use_cache:  # the memory holds s < n - 1; v_{n-1} waits for x_n
+                memory = self.kernel.init_state(B, self.n_head, keys.shape[-1], x.device,
+                                                values.dtype)
+                memory = self.kernel.prefill_state(memory, keys[:, :, :-1], values[:, :, :-1])
         else:
-            kbar = torch.addcmul(kv[:, 0], state["kbar"], w.decay, out=state["kbar"])
-        key = unit_vectors(kbar, NORM_EPS).unsqueeze(2)  # (B, H, 1, hs)
-        v_raw = kv[:, 1].unsqueeze(2)
-        mix = w.mix if w.mix.dtype == v_raw.dtype else w.mix.to(v_raw.dtype)
-        value = unit_vectors(torch.lerp(v_raw, state["v_raw"], mix), NORM_EPS)  # v_{t-1}
-        y, kstate = self.kernel.extend(state["kernel"], key, state["key"], value, w.beta)
-        y = F.linear(y.reshape(B, d), w.out)  # (B, H, 1, hs) is (B, H hs) in memory
-        return y.view(B, 1, d), {"kbar": kbar, "key": key, "v_raw": v_raw, "kernel": kstate,
-                                 "weights": w}
-
-    def extend(self, x: Tensor, state: dict) -> tuple[Tensor, dict]:
-        """Decoding: n new positions x (B, n, d) continue ``state``. Each x_t finishes the value
-        v_{t-1} = unit((1 - c) v~_t + c v~_{t-1}), (k_{t-1}, v_{t-1}) joins the memory, and k_t
-        queries it. Returns the (B, n, d) output and the new state (the running key sum and the
-        kernel's buffers are updated in place)."""
-        w: ContextualWeights = state["weights"]
-        k_raw, v_raw = self.project(x, w.kv)
-        keys, _, total = self.keys(x, k_raw, state["kbar"])
-        if x.shape[1] == 1:  # one token: its query k_t, the memory gains (k_{t-1}, v_{t-1})
-            mem_keys = state["key"]
-            vbar = torch.lerp(v_raw, state["v_raw"], w.mix.to(v_raw.dtype))
-        else:
-            mem_keys = torch.cat([state["key"], keys[:, :, :-1]], dim=2)
-            pending = torch.cat([state["v_raw"], v_raw], dim=2)
-            vbar = torch.lerp(pending[:, :, 1:], pending[:, :, :-1], w.mix.to(v_raw.dtype))
-        y, kstate = self.kernel.extend(state["kernel"], keys, mem_keys,
-                                       unit_vectors(vbar, NORM_EPS), w.beta)
+            y, memory = self.kernel.extend(state.memory, keys, entry_keys, values, w.beta)
+            base = 0
         y = F.linear(merge_heads(y), w.out)
-        new_state = {"kbar": total, "key": keys[:, :, -1:], "v_raw": v_raw[:, :, -1:],
-                     "kernel": kstate, "weights": w}
-        return (self.resid_dropout(y) if self.training else y), new_state
-
-    def gap(self, pos: Positions | None) -> int:
-        """Newest visible entry is p - gap: 1 (strict past) except for the long-term memory."""
-        return pos.gap if self.level == "long" and pos is not None else 1
-
-    def forward_intervals(self, x: Tensor, state: dict | None,
-                          pos: Positions | None) -> tuple[Tensor, dict | None]:
-        """Training, prefill and decoding when queries see per-query intervals of the memory
-        (windows, gaps, documents) or carry their own bandwidth: every query goes through
-        ``Kernel.attend``.
-
-        The memory holds (k_s, v_s) at absolute positions base .. base + len - 1; the query at
-        p sees lo <= s <= hi (``visible_interval``). Decoding appends to buffers that grow in
-        place; the short-term memory drops the entries no later query can see once they fill
-        half of its buffer, so it keeps at most 2 (h - 1) + n entries.
-        """
-        B, n, _ = x.shape
-        w: ContextualWeights | None = state.get("weights") if state else None
-        k_raw, v_raw = self.project(x, None if w is None else w.kv)
-        docs = None if pos is None else pos.documents
-        prev = None if not state else state["kbar"]
-        if prev is not None and pos is not None and pos.restart is not None:
-            prev = prev * (~pos.restart).to(prev.dtype).view(B, 1, 1)  # a new document
-        if prev is not None and docs is None and self.gated is None:
-            a = decay_rate(self.leaky_p, EXP_SCALE)
-            kbar, last = continue_leaky_sum(prev.clone(), k_raw, a, torch.exp(-a).view(-1, 1),
-                                            self.chunk)
-            keys = unit_vectors(kbar, NORM_EPS)
-        else:
-            keys, kbar, last = self.keys(x, k_raw, prev, docs)
-        if not state:  # training or prefill: entries 0 .. n - 1, v~_n := 0
-            values = self.finish_values(F.pad(v_raw, (0, 0, 0, 1)))
-            mem_keys, mem_values, base = keys, values, 0
-        else:  # x_t finishes v_{t-1}: entries p0 - 1 .. p0 + n - 2 join the memory
-            pending = torch.cat([state["v_raw"], v_raw], dim=2)
-            mix = self.lookahead_c.view(1, -1, 1, 1).to(v_raw.dtype)
-            new_values = unit_vectors(torch.lerp(pending[:, :, 1:], pending[:, :, :-1], mix),
-                                      NORM_EPS)
-            new_keys = torch.cat([state["key"], keys[:, :, :-1]], dim=2)
-            mem_keys = append_along_time(state["mem_keys"], new_keys)
-            mem_values = append_along_time(state["mem_values"], new_values)
-            base = state["base"]
-        lo, hi = visible_interval(n, pos, self.window, self.gap(pos), x.device)
-        if self.adaptive is not None:
-            beta = self.adaptive((hi - lo + 1).clamp(min=0))  # (B or 1, H, n)
-        else:
-            beta = bandwidth(self.bandwidth_b)
-        y = self.kernel.attend(keys, mem_keys, mem_values, beta, (lo - base).clamp(min=0),
-                               hi - base)
-        y = self.resid_dropout(self.output(y))
-        if state is None:
+        if self.training:
+            y = self.resid_dropout(y)
+        if not use_cache:
             return y, None
-        if not state:  # prefill: v_{n-1} waits for x_n
-            mem_keys, mem_values = mem_keys[:, :, :-1], mem_values[:, :, :-1]
-            w = self.decode_weights()
-        start = n + (0 if pos is None else pos.start)  # absolute position of the next token
-        mem_keys, mem_values, base = self._trim(mem_keys, mem_values, base, start)
-        return y, {"kbar": last, "key": keys[:, :, -1:], "v_raw": v_raw[:, :, -1:],
-                   "mem_keys": mem_keys, "mem_values": mem_values, "base": base, "weights": w}
+        last_key, last_v = (keys, v_raw) if n == 1 else (keys[:, :, -1:], v_raw[:, :, -1:])
+        return y, MemoryState(kbar=last, key=last_key, v_raw=last_v, memory=memory, base=base,
+                              weights=w)
 
-    def _trim(self, keys: Tensor, values: Tensor, base: int,
-              next_pos: int) -> tuple[Tensor, Tensor, int]:
-        """Short-term memory: drop the entries older than the next query's window (the query at
-        p sees s >= p - h + 1) once they are as many as the window itself."""
+    def attend(self, keys: Tensor, entry_keys: Tensor, values: Tensor, w: ContextualWeights,
+               pos: Positions | None, state: MemoryState | None,
+               use_cache: bool) -> tuple[Tensor, dict[str, Tensor] | None, int]:
+        """Retrieval over per-query visible intervals (windows, gaps, documents, adaptive
+        bandwidth) with ``Kernel.attend``: the memory holds entries base .. base + len - 1 and
+        the query at p sees lo <= s <= hi. Returns (y, memory kept for decoding, base)."""
+        n = keys.shape[2]
+        if state is None:
+            memory, base = {"keys": entry_keys, "values": values}, 0
+        else:
+            memory, base = append_memory(state.memory, entry_keys, values), state.base
+        gap = pos.gap if self.level == "long" and pos is not None else 1
+        lo, hi = visible_interval(n, pos, self.window, gap, keys.device)
+        beta = w.beta if self.adaptive is None else self.adaptive((hi - lo + 1).clamp(min=0))
+        y = self.kernel.attend(keys, memory["keys"], memory["values"], beta,
+                               (lo - base).clamp(min=0), hi - base)
+        if not use_cache:
+            return y, None, base
+        if state is None:  # v_{n-1} waits for x_n
+            memory = {k: t[:, :, :-1] for k, t in memory.items()}
+        start = n + (0 if pos is None else pos.start)  # absolute position of the next token
+        return (y, *self._trim(memory, base, start))
+
+    def _trim(self, memory: dict[str, Tensor], base: int,
+              next_pos: int) -> tuple[dict[str, Tensor], int]:
+        """Short-term memory: drop the entries older than the next query's window (the query
+        at p sees s >= p - h + 1) once they are as many as the window itself."""
         if self.window is None:
-            return keys, values, base
+            return memory, base
         first = next_pos - self.window + 1  # oldest entry a later query can see
         drop = first - base
         if drop < self.window:
-            return keys, values, base
+            return memory, base
         # views of the kept entries: the next append moves them to a fresh buffer
-        return keys[:, :, drop:], values[:, :, drop:], first
+        return {k: t[:, :, drop:] for k, t in memory.items()}, first
 
     def extra_repr(self) -> str:
         return f"n_head={self.n_head}, leaky_chunk={self.chunk}, level={self.level!r}"
 
 
-_FLASH_FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+class ShortLongMemory(nn.Module):
+    """A short-term memory over the last h - 1 entries beside a long-term memory over the
+    entries at least m back, each a :class:`ContextualMemory` with its own parameters.
+    Concatenating their heads and projecting with W_o = [W_o^s W_o^l] is the sum of the two
+    memories' own output projections, which is what is computed."""
 
+    def __init__(self, config: MosaicsConfig, layer_idx: int = 0) -> None:
+        super().__init__()
+        self.short = ContextualMemory(config, layer_idx, level="short")
+        self.long = ContextualMemory(config, layer_idx, level="long")
 
-class _BankAttention(torch.autograd.Function):
-    """softmax(q k^T) v for (1, H, N, hs) queries and (1, H, P, hs) banks on CPU: the fused
-    forward in one call, the fused backward in blocks of at most ``BANK_BLOCK`` bank slots
-    (where the compiled :class:`_StoredBankAttention` does not apply).
-
-    A flash backward needs only P = exp(S - lse) and rowsum(dO * O) of the whole row, so each
-    block of slots yields its own dK, dV and a share of dq (exact, as in
-    :mod:`.kernels.causal_attention`). PyTorch's CPU kernel cuts keys into blocks of 512, and
-    its backward costs 8-18% more per slot at 512 than at 448: forward + backward at N 2048
-    (1 thread) took 91.3 instead of 95.9 ms at H 8, P 896, hs 32, 695 instead of 741 ms at
-    H 12, P 2688, hs 64. Measured and not kept (N 2048, H 8, P 896, hs 32, 1 thread): the
-    forward as two 448-slot calls merged through their lse (1.15x the single call), the
-    backward as explicit batched GEMMs over rows of 128-512 queries (1.5-1.8x), and keeping
-    the probabilities instead of recomputing them as PyTorch ops (0.95-1.06x;
-    ``bench/bank_bound.py``). :class:`_StoredBankAttention` keeps them in compiled code.
-    """
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        out, lse = _FLASH_FWD(q, k, v, 0.0, False, scale=1.0)[:2]
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v, out, lse = ctx.saved_tensors
-        P = k.shape[2]
-        width = -(-P // -(-P // BANK_BLOCK))  # even blocks of at most BANK_BLOCK slots
-        dq, dk, dv = None, torch.empty_like(k), torch.empty_like(v)
-        for s in range(0, P, width):
-            blk = slice(s, min(s + width, P))
-            gq, gk, gv = _FLASH_BWD(grad, q, k[:, :, blk], v[:, :, blk], out, lse, 0.0, False,
-                                    scale=1.0)
-            dk[:, :, blk], dv[:, :, blk] = gk, gv
-            dq = gq if dq is None else dq.add_(gq)
-        return dq, dk, dv
-
-
-class _StoredBankAttention(torch.autograd.Function):
-    """softmax(q k^T) v for (H, N, hs) fp32 queries and (H, P, hs) banks on CPU through the
-    compiled kernel (``mosaics/csrc/bank_attention.cpp``): the forward keeps the probabilities
-    (H N P floats), the backward reads them instead of recomputing q k^T and its exp, and every
-    product runs in oneDNN's batch-reduce GEMM. ``bench/bank_bound.py`` compares it with
-    :class:`_BankAttention`."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        y, *probs = bank_extension().forward(q, k, v, BANK_ROWS)
-        ctx.save_for_backward(q, k, v, y, *probs)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v, y, *probs = ctx.saved_tensors
-        dq, dk, dv = bank_extension().backward(grad.contiguous(), q, k, v, y, probs, BANK_ROWS)
-        return dq, dk, dv
-
-
-def stored_bank_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether :class:`_StoredBankAttention` takes (1, H, N, hs) fp32 CPU queries and banks:
-    their probabilities fit ``STORED_PROBS_MAX_BYTES`` and the kernel builds here."""
-    return (q.shape[0] == 1 and q.shape[2] > 0 and q.device.type == "cpu"
-            and all(t.dtype == torch.float32 for t in (q, k, v))
-            and 4 * q.shape[1] * q.shape[2] * k.shape[2] <= STORED_PROBS_MAX_BYTES
-            and bank_extension() is not None)
-
-
-def bank_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> Tensor:
-    """softmax(q k^T) v, unscaled, for (1, H, N, hs) queries and (1, H, P, hs) banks. Training
-    on CPU without dropout: :class:`_StoredBankAttention` where it applies (fp32, the
-    probabilities within ``STORED_PROBS_MAX_BYTES``), else :class:`_BankAttention` above
-    ``BANK_BLOCK`` slots; otherwise, and for inference, the fused call."""
-    training_cpu = (q.device.type == "cpu" and dropout_p == 0.0 and torch.is_grad_enabled()
-                    and (q.requires_grad or k.requires_grad or v.requires_grad))
-    if not training_cpu:
-        return F.scaled_dot_product_attention(q, k, v, scale=1.0, dropout_p=dropout_p)
-    if torch.is_autocast_enabled("cpu"):  # as F.scaled_dot_product_attention under autocast
-        dtype = torch.get_autocast_dtype("cpu")
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    with torch.autocast("cpu", enabled=False):
-        if stored_bank_applies(q, k, v):
-            return _StoredBankAttention.apply(q[0].contiguous(), k[0].contiguous(),
-                                              v[0].contiguous())[None]
-        if k.shape[2] > BANK_BLOCK and blocked_attention_available():
-            return _BankAttention.apply(q, k, v)
-        return F.scaled_dot_product_attention(q, k, v, scale=1.0)
+    def forward(self, x: Tensor, pos: Positions | None = None,
+                state: tuple[MemoryState, MemoryState] | None = None,
+                use_cache: bool = False) -> tuple[Tensor, tuple[MemoryState, ...] | None]:
+        short, long = (None, None) if state is None else state
+        ys, ss = self.short(x, pos, short, use_cache)
+        yl, sl = self.long(x, pos, long, use_cache)
+        return ys + yl, ((ss, sl) if use_cache else None)
 
 
 class PersistentMemory(nn.Module):
-    """Persistent associative memory: attention of a leaky-averaged key over P learned slots."""
+    """Persistent associative memory: a leaky-averaged unit key attends over P learned slots,
+    y_t = softmax(k_t (beta' M_k)^T) (e^{10 q'} M_v)."""
 
     def __init__(self, config: MosaicsConfig) -> None:
         super().__init__()
@@ -539,89 +329,51 @@ class PersistentMemory(nn.Module):
         nn.init.normal_(self.mem_keys, mean=0.0, std=std)
         nn.init.normal_(self.mem_values, mean=0.0, std=std)
 
-    def decode_weights(self) -> PersistentWeights:
+    def weights(self) -> PersistentWeights:
+        """The log-decay and the scaled banks (beta' M_k, e^{10 q'} M_v), each (H, P, hs): the
+        scalars go on the banks, not on the (H, B T, hs) queries and outputs."""
+        H = self.n_head
         a = decay_rate(self.leaky_p, EXP_SCALE)
-        keys, values = self.scaled_banks()
-        return PersistentWeights(log_decay=a, decay=torch.exp(-a).view(-1, 1),
-                                 keys_t=keys.transpose(-1, -2).contiguous(), values=values)
+        return PersistentWeights(
+            log_decay=a, decay=torch.exp(-a).view(-1, 1),
+            keys=self.mem_keys * bandwidth(self.bandwidth_b).view(H, 1, 1),
+            values=self.mem_values * torch.exp(self.value_q * EXP_SCALE).view(H, 1, 1))
 
-    def _step(self, x: Tensor, state: dict) -> tuple[Tensor, dict]:
-        """One token per row without gradients (the decoding hot path): the running sum in
-        place, then softmax(q (beta' M_k)^T) e^{10 q'} M_v as two batched GEMVs (2.7x faster
-        than the fused kernel at one row, as fast at eight)."""
-        w: PersistentWeights = state["weights"]
-        B, _, d = x.shape
-        k = F.linear(x.view(B, d), self.k_proj.weight).view(B, self.n_head, d // self.n_head)
-        kbar = torch.addcmul(k, state["kbar"], w.decay, out=state["kbar"])
-        q = unit_vectors(kbar, NORM_EPS).transpose(0, 1)  # (H, B, hs)
-        # banks and queries share a dtype (the model's), or autocast casts for bmm
-        y = torch.bmm(torch.softmax(torch.bmm(q, w.keys_t), dim=-1), w.values)  # (H, B, hs)
-        return F.linear(y.transpose(0, 1).reshape(B, d), self.c_proj.weight).view(B, 1, d), state
-
-    def scaled_banks(self) -> tuple[Tensor, Tensor]:
-        """(beta' M_k, e^{10 q'} M_v), each (H, P, hs). The bandwidth and the output scale go
-        on the banks, not on the (H, B T, hs) queries and outputs: same products, smaller
-        tensors when B T > P."""
+    def forward(self, x: Tensor, pos: Positions | None = None, state: BankState | None = None,
+                use_cache: bool = False) -> tuple[Tensor, BankState | None]:
+        """x: (B, n, d) -> (B, n, d); ``pos``, ``state``, ``use_cache`` as in
+        :meth:`ContextualMemory.forward` (here the state is the running key sum)."""
+        B, n, d = x.shape
         H = self.n_head
-        return (self.mem_keys * bandwidth(self.bandwidth_b).view(H, 1, 1),
-                self.mem_values * torch.exp(self.value_q * EXP_SCALE).view(H, 1, 1))
-
-    def forward(self, x: Tensor, state: dict | None = None,
-                pos: Positions | None = None) -> tuple[Tensor, dict | None]:
-        """x: (B, T, d); ``state``: as in :meth:`ContextualMemory.forward`, here the running
-        key sum and the :class:`PersistentWeights`; ``pos``: with documents, the key average
-        restarts at each new document."""
-        docs = None if pos is None else pos.documents
-        if state and pos is not None and pos.restart is not None:
-            keep = (~pos.restart).to(state["kbar"].dtype).view(-1, 1, 1)
-            state = {**state, "kbar": state["kbar"] * keep}  # a new document: forget the keys
-        if (state and x.shape[1] == 1 and not (torch.is_grad_enabled() or self.training)):
-            return self._step(x, state)
-        B, T, d = x.shape
-        H = self.n_head
-        k_raw = split_heads(self.k_proj(x), H)
-        w = state["weights"] if state else None
-        if docs is not None:
-            a = decay_rate(self.leaky_p, EXP_SCALE).to(k_raw.dtype).view(1, H, 1)
-            kbar, total = gated_leaky_average(k_raw, k_raw.new_ones(B, H, T), a.expand(B, H, T),
-                                              self.chunk, state["kbar"] if state else None,
-                                              docs)
-        elif state:  # decoding: continue the running key sum
-            kbar, total = continue_leaky_sum(state["kbar"], k_raw, w.log_decay, w.decay,
-                                             self.chunk)
-        else:
-            kbar = leaky_average(k_raw, decay_rate(self.leaky_p, EXP_SCALE), None, self.chunk)
-            total = None
-        # The banks are shared by every token: fold the batch into the query axis, (H, B T, hs),
-        # so each bank is streamed once (7% faster than expanding them B times).
-        q = unit_vectors(kbar, NORM_EPS).transpose(0, 1).reshape(H, B * T, d // H)
-        keys, values = self.scaled_banks() if w is None else (w.keys_t.transpose(-1, -2), w.values)
-        y = bank_attention(q[None], keys[None].to(q.dtype), values[None].to(q.dtype),
-                           self.dropout if self.training else 0.0)[0]
-        y = self.c_proj(y.view(H, B, T, d // H).permute(1, 2, 0, 3).reshape(B, T, d))
+        w = state.weights if state is not None else self.weights()
+        initial = None if state is None else state.kbar
+        if initial is not None and pos is not None and pos.restart is not None:
+            initial = initial * (~pos.restart).to(initial.dtype).view(B, 1, 1)
+        kbar, last = leaky_average(split_heads(F.linear(x, self.k_proj.weight), H),
+                                   w.log_decay, initial=initial,
+                                   documents=None if pos is None else pos.documents,
+                                   chunk=self.chunk, decay=w.decay)
+        # the banks are shared by every token: fold the batch into the query axis, (H, B n, hs)
+        q = unit_vectors(kbar, NORM_EPS).transpose(0, 1).reshape(H, B * n, d // H)
+        y = bank_attention(q, w.keys.to(q.dtype), w.values.to(q.dtype),
+                           self.dropout if self.training else 0.0)
+        y = self.c_proj(y.view(H, B, n, d // H).permute(1, 2, 0, 3).reshape(B, n, d))
         if self.training:
             y = self.resid_dropout(y)
-        if state is None:
-            return y, None
-        if w is None:  # prefill
-            last = kbar[:, :, -1].clone() if total is None else total
-            return y, {"kbar": last, "weights": self.decode_weights()}
-        return y, {"kbar": total, "weights": w}
+        return y, (BankState(kbar=last, weights=w) if use_cache else None)
 
 
-class ThreeLevelMemory(nn.Module):
-    """The v2 contextual memory: a short-term memory over the last h - 1 keys and a long-term
-    memory over the keys at least m back, each a :class:`ContextualMemory` with its own
-    parameters. Concatenating their heads and projecting with W_o = [W_o^s W_o^l] is the sum
-    of the two memories' own output projections, which is what is computed."""
+class SwiGLUMemory(nn.Module):
+    """The v2 persistent memory, y = W2 (SiLU(W1 x) * W3 x), hidden width ``hidden``; a
+    position-wise map, so it keeps no decoding state and documents change nothing."""
 
-    def __init__(self, config: MosaicsConfig, layer_idx: int = 0) -> None:
+    def __init__(self, n_embd: int, hidden: int, dropout: float = 0.0) -> None:
         super().__init__()
-        self.short = ContextualMemory(config, layer_idx, level="short")
-        self.long = ContextualMemory(config, layer_idx, level="long")
+        self.w1 = nn.Linear(n_embd, hidden, bias=False)
+        self.w3 = nn.Linear(n_embd, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, n_embd, bias=False)
+        self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor, state: dict | None = None,
-                pos: Positions | None = None) -> tuple[Tensor, dict | None]:
-        ys, ss = self.short(x, None if state is None else state.get("short", {}), pos)
-        yl, sl = self.long(x, None if state is None else state.get("long", {}), pos)
-        return ys + yl, (None if state is None else {"short": ss, "long": sl})
+    def forward(self, x: Tensor, pos: Positions | None = None, state: None = None,
+                use_cache: bool = False) -> tuple[Tensor, None]:
+        return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x))), None

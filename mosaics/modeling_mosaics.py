@@ -19,12 +19,18 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
-from .cache import MosaicsCache
+from .cache import DocumentState, LayerState, MosaicsCache
 from .configuration_mosaics import MosaicsConfig
-from .fused_loss import linear_cross_entropy
 from .kernels import Kernel
-from .memory import ContextualMemory, PersistentMemory, ThreeLevelMemory
-from .memory_v2 import AdaptiveBandwidth, Positions, SwiGLUMemory, document_positions
+from .memory import (
+    AdaptiveBandwidth,
+    ContextualMemory,
+    PersistentMemory,
+    ShortLongMemory,
+    SwiGLUMemory,
+)
+from .ops import linear_cross_entropy
+from .positions import Positions, document_positions
 from .remote_code import save_model_code
 
 
@@ -76,19 +82,28 @@ class MosaicsBlock(GradientCheckpointingLayer):
     def __init__(self, config: MosaicsConfig, layer_idx: int) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=False)
-        self.cmem = (ThreeLevelMemory(config, layer_idx) if config.three_level_memory
+        self.cmem = (ShortLongMemory(config, layer_idx) if config.three_level_memory
                      else ContextualMemory(config, layer_idx))
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=False)
         self.pmem = (SwiGLUMemory(config.n_embd, config.swiglu_hidden, config.dropout)
                      if config.persistent_memory == "swiglu" else PersistentMemory(config))
 
-    def forward(self, x: Tensor, state: dict | None = None,
-                pos: Positions | None = None) -> tuple[Tensor, dict | None]:
-        y, cstate = self.cmem(self.ln_1(x), None if state is None else state["context"], pos)
+    def forward(self, x: Tensor, pos: Positions | None = None, state: LayerState | None = None,
+                use_cache: bool = False) -> tuple[Tensor, LayerState | None]:
+        """x += cmem(LN(x)); x += pmem(LN(x)); ``state``/``use_cache``: continue / return the
+        decoding state (see :meth:`ContextualMemory.forward`)."""
+        context = None
+        if state is not None:
+            context = state.context if len(state.context) > 1 else state.context[0]
+        y, cstate = self.cmem(self.ln_1(x), pos, context, use_cache)
         x = x + y
-        y, pstate = self.pmem(self.ln_2(x), None if state is None else state["persistent"], pos)
+        y, pstate = self.pmem(self.ln_2(x), pos, None if state is None else state.persistent,
+                              use_cache)
         x = x + y
-        return x, (None if state is None else {"context": cstate, "persistent": pstate})
+        if not use_cache:
+            return x, None
+        return x, LayerState(context=cstate if isinstance(cstate, tuple) else (cstate,),
+                             persistent=pstate)
 
 
 class MosaicsPreTrainedModel(PreTrainedModel):
@@ -204,7 +219,8 @@ class MosaicsModel(MosaicsPreTrainedModel):
         for i, block in enumerate(self.blocks):
             if output_hidden_states:
                 hidden.append(x)
-            x, state = block(x, None if cache is None else cache.layers[i], pos)
+            x, state = block(x, pos, None if cache is None else cache.layers[i],
+                             cache is not None)
             if cache is not None:
                 cache.layers[i] = state
         x = self.ln_f(x)
@@ -250,16 +266,16 @@ class MosaicsModel(MosaicsPreTrainedModel):
         pos = Positions(start=start, gap=gap)
         if not cfg.document_masking:
             return pos
-        docs = cache.documents if cache is not None else {}
+        docs = cache.documents if cache is not None else None
         if document_ids is not None:
             document_ids = document_ids.to(device)
-            prev = docs.get("last_id_given")
+            prev = None if docs is None else docs.last_id_given
             first = (torch.ones(B, dtype=torch.bool, device=device) if prev is None
                      else document_ids[:, 0] != prev)
             starts = torch.cat([first[:, None], document_ids[:, 1:] != document_ids[:, :-1]], 1)
         elif input_ids is not None and cfg.separator_id is not None:
             sep = input_ids == cfg.separator_id
-            first = docs.get("last_is_separator")
+            first = None if docs is None else docs.last_is_separator
             if first is None:
                 first = torch.ones(B, dtype=torch.bool, device=device)  # token 0 starts one
             starts = torch.cat([first[:, None], sep[:, :-1]], dim=1)
@@ -267,16 +283,16 @@ class MosaicsModel(MosaicsPreTrainedModel):
             raise ValueError("document_masking needs the documents: pass input_ids with "
                              "document_separator_id (or eos_token_id) set in the config, or "
                              "document_ids (B, T)")
-        ids, doc_starts = document_positions(starts, start, docs.get("doc_start"),
-                                             docs.get("doc_id"))
+        ids, doc_starts = document_positions(starts, start, None if docs is None else docs.start,
+                                             None if docs is None else docs.id)
         pos.documents, pos.doc_starts = ids, doc_starts
         pos.restart = starts[:, 0] if start > 0 else None
         if cache is not None:
-            cache.documents = {"doc_start": doc_starts[:, -1], "doc_id": ids[:, -1]}
-            if document_ids is not None:
-                cache.documents["last_id_given"] = document_ids[:, -1]
-            else:
-                cache.documents["last_is_separator"] = input_ids[:, -1] == cfg.separator_id
+            given = document_ids is not None
+            cache.documents = DocumentState(
+                start=doc_starts[:, -1], id=ids[:, -1],
+                last_id_given=document_ids[:, -1] if given else None,
+                last_is_separator=None if given else input_ids[:, -1] == cfg.separator_id)
         return pos
 
 

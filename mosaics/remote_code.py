@@ -13,10 +13,9 @@ import re
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-TOP_LEVEL = ["configuration_mosaics.py", "modeling_mosaics.py", "memory.py", "memory_v2.py",
-             "leaky.py", "gated_leaky.py", "unit_norm.py", "fused_loss.py", "cache.py",
-             "remote_code.py", "cpu_extension.py"]
-SUBPACKAGES = ["kernels"]
+TOP_LEVEL = ["configuration_mosaics.py", "modeling_mosaics.py", "memory.py", "positions.py",
+             "cache.py", "remote_code.py"]
+SUBPACKAGES = ["kernels", "ops"]
 
 
 def _flat_name(rel: Path) -> str:

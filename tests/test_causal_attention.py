@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from mosaics import MosaicsConfig, MosaicsForCausalLM
-from mosaics.kernels import causal_attention as ca
 from mosaics.kernels import get_kernel
+from mosaics.ops import causal as ca
 
 
 def _inputs(T: int, dtype=torch.float64, B: int = 2, H: int = 3, hs: int = 8, seed: int = 0):

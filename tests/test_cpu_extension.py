@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mosaics import MosaicsConfig, MosaicsForCausalLM, cpu_extension, memory
-from mosaics.memory import bank_attention
+from mosaics import MosaicsConfig, MosaicsForCausalLM
+from mosaics.ops import bank_attention
+from mosaics.ops import banks as cpu_extension
 
 ext = cpu_extension.bank_extension()
 needs_ext = pytest.mark.skipif(ext is None, reason="the compiled CPU kernel does not build here")
@@ -62,15 +63,15 @@ def test_stored_kernel_refuses_bad_input():
 
 def bank_inputs(H=2, N=40, P=30, hs=8):
     torch.manual_seed(1)
-    q = F.normalize(torch.randn(1, H, N, hs), dim=-1).requires_grad_()
-    k, v = (torch.randn(1, H, P, hs).requires_grad_() for _ in range(2))
+    q = F.normalize(torch.randn(H, N, hs), dim=-1).requires_grad_()
+    k, v = (torch.randn(H, P, hs).requires_grad_() for _ in range(2))
     return q, k, v
 
 
 def forms_used(monkeypatch) -> list[str]:
     """Record which autograd function each bank_attention call takes."""
     used = []
-    for cls in (memory._StoredBankAttention, memory._BankAttention):
+    for cls in (cpu_extension._StoredBankAttention, cpu_extension._BankAttention):
         original = cls.apply
 
         def spy(*args, _cls=cls, _original=original):
@@ -89,7 +90,7 @@ def test_bank_attention_takes_the_kernel_when_training_in_fp32(monkeypatch):
     with torch.no_grad():  # inference: the fused call
         bank_attention(q, k, v)
     bank_attention(q.double(), k.double(), v.double())  # fp64: not the kernel
-    monkeypatch.setattr(memory, "STORED_PROBS_MAX_BYTES", 4 * 2 * 40 * 30 - 1)
+    monkeypatch.setattr(cpu_extension, "STORED_PROBS_MAX_BYTES", 4 * 2 * 40 * 30 - 1)
     bank_attention(q, k, v)  # probabilities over the budget: recomputed
     assert used == ["_StoredBankAttention"]
 
@@ -113,7 +114,7 @@ def test_model_gradients_equal_with_and_without_the_kernel(monkeypatch):
     used = forms_used(monkeypatch)
     loss, grads = step()
     assert used == ["_StoredBankAttention"] * 2
-    monkeypatch.setattr(memory, "bank_extension", lambda: None)
+    monkeypatch.setattr(cpu_extension, "bank_extension", lambda: None)
     loss_ref, grads_ref = step()
     assert used[2:] == ["_BankAttention"] * 2
     torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6)
@@ -133,7 +134,6 @@ def test_build_failure_warns_and_falls_back(monkeypatch, tmp_path):
     try:
         with pytest.warns(RuntimeWarning, match="unavailable .*fused attention"):
             assert cpu_extension.bank_extension() is None
-        monkeypatch.setattr(memory, "bank_extension", cpu_extension.bank_extension)
         q, k, v = bank_inputs()
         out = bank_attention(q, k, v)  # still trains, through PyTorch's fused attention
         out.sum().backward()

@@ -119,7 +119,7 @@ def test_cached_generation_on_cuda_matches_recomputing(kernel: str) -> None:
 
 
 def test_chunked_loss_under_autocast() -> None:
-    from mosaics.fused_loss import linear_cross_entropy
+    from mosaics.ops import linear_cross_entropy
 
     torch.manual_seed(0)
     hidden = torch.randn(300, 64, device="cuda", requires_grad=True)

@@ -359,7 +359,7 @@ def test_cached_decoding_equals_full_forward(tiny_config, positive):
             cache, pos = out.cache, pos + n
             parts.append(out.logits)
         torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-4, atol=1e-5)
-    state = cache.layers[0]["context"]["kernel"]
+    state = cache.layers[0].context[0].memory
     assert set(state) == ({"S", "z"} if positive == "elu1" else {"S", "z", "r"})
     assert state["S"].dtype == torch.float32
     assert state["S"].shape == (2, 4, model.model.blocks[0].cmem.kernel.feature_dim, 8)
@@ -466,6 +466,7 @@ def test_remote_code_bundle_has_fska_with_flat_imports():
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_remote_code_loads_fska_without_the_package(tiny_config, tmp_path):
     torch.manual_seed(13)
     model = MosaicsForCausalLM(fska_config(tiny_config)).eval()

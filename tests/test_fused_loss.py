@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from mosaics import MosaicsConfig, MosaicsForCausalLM
-from mosaics.fused_loss import linear_cross_entropy
+from mosaics.ops import linear_cross_entropy
 
 
 def _case(n: int = 37, d: int = 8, v: int = 29, dtype=torch.float64, seed: int = 0):

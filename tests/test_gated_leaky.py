@@ -6,7 +6,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mosaics.gated_leaky import gated_leaky_average, gated_leaky_reference, gated_leaky_step
+from mosaics.ops import leaky_average, leaky_average_reference
+
+
+def gated_leaky_average(x, gain, a, chunk=16, initial=None, documents=None):
+    return leaky_average(x, a, gain=gain, chunk=chunk, initial=initial, documents=documents)
+
+
+def gated_leaky_reference(x, gain, a, initial=None, documents=None):
+    return leaky_average_reference(x, a, gain=gain, initial=initial, documents=documents)
+
+
+def gated_leaky_step(x, gain, a, state):
+    """One decoding step through the op's step form: (B, H, D) x, (B, H) gain and a."""
+    return leaky_average(x[:, :, None], a[:, :, None], gain=gain[:, :, None],
+                         initial=state.clone())[1]
 
 
 def _inputs(B=2, H=3, T=37, D=5, dtype=torch.float64, seed=0):

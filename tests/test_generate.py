@@ -113,16 +113,16 @@ def test_decoding_updates_buffers_and_sums_in_place(tiny_config):
     with torch.no_grad():
         out = model(ids[:, :4], use_cache=True)
         layer = out.cache.layers[0]
-        ptrs = (layer["context"]["kernel"]["keys"].data_ptr(),
-                layer["context"]["kernel"]["values"].data_ptr(),
-                layer["context"]["kbar"].data_ptr(), layer["persistent"]["kbar"].data_ptr())
+        ptrs = (layer.context[0].memory["keys"].data_ptr(),
+                layer.context[0].memory["values"].data_ptr(),
+                layer.context[0].kbar.data_ptr(), layer.persistent.kbar.data_ptr())
         for t in range(4, 12):
             out = model(ids[:, t:t + 1], cache=out.cache)
     layer = out.cache.layers[0]
-    assert ptrs == (layer["context"]["kernel"]["keys"].data_ptr(),
-                    layer["context"]["kernel"]["values"].data_ptr(),
-                    layer["context"]["kbar"].data_ptr(), layer["persistent"]["kbar"].data_ptr())
-    assert layer["context"]["kernel"]["keys"].shape[2] == 11  # memory holds s <= t - 1
+    assert ptrs == (layer.context[0].memory["keys"].data_ptr(),
+                    layer.context[0].memory["values"].data_ptr(),
+                    layer.context[0].kbar.data_ptr(), layer.persistent.kbar.data_ptr())
+    assert layer.context[0].memory["keys"].shape[2] == 11  # memory holds s <= t - 1
 
 
 @pytest.mark.parametrize("kernel", ["gaussian", "epanechnikov", "fska"])

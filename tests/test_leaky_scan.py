@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mosaics.leaky import _chunked_scan, leaky_average_reference
+from mosaics.ops.leaky import _chunked_scan, leaky_average_reference
 
 
 @pytest.mark.parametrize("sequential", [True, False])

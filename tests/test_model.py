@@ -10,38 +10,13 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from mosaics import MosaicsConfig, MosaicsForCausalLM, MosaicsModel, available_kernels, memory
+from mosaics import MosaicsConfig, MosaicsForCausalLM, MosaicsModel, available_kernels
 from mosaics.cache import MosaicsCache
-from mosaics.leaky import leaky_average, leaky_average_reference
-from mosaics.memory import BANK_BLOCK, ContextualMemory, PersistentMemory, bank_attention
-
-
-def slow_contextual_memory(mem: ContextualMemory, x: torch.Tensor) -> torch.Tensor:
-    """Section 3.1 written out one position at a time (float64)."""
-    B, T, d = x.shape
-    H = mem.n_head
-    hs = d // H
-    kraw = (x @ mem.k_proj.weight.T).view(B, T, H, hs)
-    vraw = (x @ mem.v_proj.weight.T).view(B, T, H, hs)
-    lam = torch.exp(-10 * mem.leaky_p.abs())
-    beta = torch.exp(2 * torch.clamp(10 * mem.bandwidth_b, max=5))
-    c, scale = mem.lookahead_c, torch.exp(10 * mem.value_q)
-    out = torch.zeros(B, T, H, hs, dtype=x.dtype)
-    for b in range(B):
-        for h in range(H):
-            kbar = torch.zeros(hs, dtype=x.dtype)
-            keys, vals = [], []
-            for t in range(T):
-                kbar = kraw[b, t, h] + lam[h] * kbar
-                keys.append(kbar / kbar.norm())
-                nxt = vraw[b, t + 1, h] if t + 1 < T else torch.zeros(hs, dtype=x.dtype)
-                vbar = (1 - c[h]) * nxt + c[h] * vraw[b, t, h]
-                vals.append(scale[h] * vbar / vbar.norm())
-            for t in range(1, T):
-                scores = torch.stack([beta[h] * keys[t] @ keys[s] for s in range(t)])
-                w = torch.softmax(scores, 0)
-                out[b, t, h] = sum(w[s] * vals[s] for s in range(t))
-    return out.reshape(B, T, d) @ mem.c_proj.weight.T
+from mosaics.memory import ContextualMemory, PersistentMemory
+from mosaics.ops import bank_attention, leaky_average, leaky_average_reference
+from mosaics.ops import banks as bank_ops
+from mosaics.ops.banks import BANK_BLOCK
+from mosaics.reference import contextual_memory_reference, reference_logits
 
 
 def test_contextual_memory_matches_slow_reference(tiny_config):
@@ -52,7 +27,19 @@ def test_contextual_memory_matches_slow_reference(tiny_config):
         p.data.add_(0.02 * torch.randn_like(p))
     x = torch.randn(2, 13, cfg.n_embd, dtype=torch.float64)
     fast, _ = mem(x)
-    torch.testing.assert_close(fast, slow_contextual_memory(mem, x), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(fast, contextual_memory_reference(mem, x), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("kernel", ["gaussian", "epanechnikov"])
+def test_model_logits_match_reference_model(tiny_config, kernel):
+    """The whole stack against :func:`mosaics.reference.reference_logits` (float64)."""
+    torch.manual_seed(11)
+    model = MosaicsForCausalLM(tiny_config(kernel=kernel)).double().eval()
+    for p in model.parameters():
+        p.data.add_(0.02 * torch.randn_like(p))
+    ids = torch.randint(0, 61, (2, 11))
+    torch.testing.assert_close(model(ids).logits, reference_logits(model, ids),
+                               rtol=1e-7, atol=1e-7)
 
 
 def test_position_zero_has_no_memory(tiny_config):
@@ -84,11 +71,11 @@ def test_bank_attention_blocked_backward_matches_softmax_formula(P, monkeypatch)
     """Without the compiled kernel, above BANK_BLOCK slots the CPU backward runs in even
     blocks of slots (2 and 3 here); output and gradients equal autograd through
     softmax(q k^T) v."""
-    monkeypatch.setattr(memory, "bank_extension", lambda: None)
+    monkeypatch.setattr(bank_ops, "bank_extension", lambda: None)
     torch.manual_seed(0)
-    q = F.normalize(torch.randn(1, 3, 40, 8), dim=-1).requires_grad_()
-    k, v = (torch.randn(1, 3, P, 8).requires_grad_() for _ in range(2))
-    g = torch.randn(1, 3, 40, 8)
+    q = F.normalize(torch.randn(3, 40, 8), dim=-1).requires_grad_()
+    k, v = (torch.randn(3, P, 8).requires_grad_() for _ in range(2))
+    g = torch.randn(3, 40, 8)
     out = bank_attention(q, k, v)
     grads = torch.autograd.grad(out, (q, k, v), g)
     ref = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
@@ -104,9 +91,9 @@ def test_leaky_average_equals_recursion(chunk):
     x = torch.randn(2, 3, 37, 4, dtype=torch.float64)
     a = torch.tensor([0.01, 0.7, 4.0], dtype=torch.float64)
     init = torch.randn(2, 3, 4, dtype=torch.float64)
-    torch.testing.assert_close(leaky_average(x, a, chunk=chunk), leaky_average_reference(x, a))
-    torch.testing.assert_close(leaky_average(x, a, init, chunk=chunk),
-                               leaky_average_reference(x, a, init))
+    torch.testing.assert_close(leaky_average(x, a, chunk=chunk)[0], leaky_average_reference(x, a))
+    torch.testing.assert_close(leaky_average(x, a, initial=init, chunk=chunk)[0],
+                               leaky_average_reference(x, a, initial=init))
 
 
 @pytest.mark.parametrize("chunk,T", [(1, 9), (4, 12), (5, 13), (16, 9)])
@@ -118,15 +105,15 @@ def test_leaky_average_gradients_equal_recursion(chunk, T):
     init = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
     g = torch.randn(2, 3, T, 4, dtype=torch.float64)
     for initial in (None, init):
-        fast = torch.autograd.grad(leaky_average(x, a, initial, chunk=chunk), (x, a), g)
-        slow = torch.autograd.grad(leaky_average_reference(x, a, initial), (x, a), g)
+        fast = torch.autograd.grad(leaky_average(x, a, initial=initial, chunk=chunk)[0], (x, a), g)
+        slow = torch.autograd.grad(leaky_average_reference(x, a, initial=initial), (x, a), g)
         for f, s in zip(fast, slow):
             torch.testing.assert_close(f, s)
-    assert torch.autograd.gradcheck(lambda x, a: leaky_average(x, a, chunk=chunk), (x, a))
+    assert torch.autograd.gradcheck(lambda x, a: leaky_average(x, a, chunk=chunk)[0], (x, a))
     # a strided view (a head split of a wider projection), as the memories pass it
     wide = torch.randn(2, T, 3, 8, dtype=torch.float64, requires_grad=True)
     view = wide[..., :4].transpose(1, 2)
-    fast = torch.autograd.grad(leaky_average(view, a, chunk=chunk), (wide, a), g)
+    fast = torch.autograd.grad(leaky_average(view, a, chunk=chunk)[0], (wide, a), g)
     slow = torch.autograd.grad(leaky_average_reference(view, a), (wide, a), g)
     for f, s in zip(fast, slow):
         torch.testing.assert_close(f, s)
@@ -139,8 +126,8 @@ def test_value_lookahead_uses_next_token(tiny_config):
     cfg = tiny_config()
     mem = ContextualMemory(cfg).eval()
     x = torch.randn(2, 10, cfg.n_embd)
-    _, state = mem(x, {})
-    values = state["kernel"]["values"]  # (B, H, 9, hs): v_0 .. v_8, v_9 is still pending
+    _, state = mem(x, use_cache=True)
+    values = state.memory["values"]  # (B, H, 9, hs): v_0 .. v_8, v_9 is still pending
     assert values.shape[2] == 9
     H, hs = cfg.n_head, cfg.head_size
     vraw = (x @ mem.v_proj.weight.T).view(2, 10, H, hs).transpose(1, 2)
@@ -150,7 +137,7 @@ def test_value_lookahead_uses_next_token(tiny_config):
     # changing x_6 changes v_5 and v_6 only
     x2 = x.clone()
     x2[:, 6] += 1.0
-    v2 = mem(x2, {})[1]["kernel"]["values"]
+    v2 = mem(x2, use_cache=True)[1].memory["values"]
     changed = (v2 - values).abs().amax(dim=(0, 1, 3)) > 0
     assert changed.tolist() == [s in (5, 6) for s in range(9)]
 
@@ -279,12 +266,12 @@ def test_decoding_state_does_not_grow_for_leaky_parts(tiny_config):
     model = MosaicsForCausalLM(tiny_config()).eval()
     out = model(torch.randint(0, 61, (1, 5)), use_cache=True)
     layer = out.cache.layers[0]
-    sizes = (layer["context"]["kbar"].shape, layer["persistent"]["kbar"].shape)
+    sizes = (layer.context[0].kbar.shape, layer.persistent.kbar.shape)
     for _ in range(6):
         out = model(torch.randint(0, 61, (1, 1)), cache=out.cache)
     layer = out.cache.layers[0]
-    assert (layer["context"]["kbar"].shape, layer["persistent"]["kbar"].shape) == sizes
-    assert layer["context"]["kernel"]["keys"].shape[2] == 10  # memory holds s <= t - 1
+    assert (layer.context[0].kbar.shape, layer.persistent.kbar.shape) == sizes
+    assert layer.context[0].memory["keys"].shape[2] == 10  # memory holds s <= t - 1
 
 
 def test_generate_cached_equals_uncached(tiny_config):
@@ -378,6 +365,7 @@ def test_loss_is_shifted_cross_entropy(tiny_config):
     assert out.aux_loss is None and torch.equal(out.lm_loss, out.loss)
 
 
+@pytest.mark.integration
 def test_remote_code_loads_without_the_package(tiny_config, tmp_path):
     torch.manual_seed(13)
     model = MosaicsForCausalLM(tiny_config()).eval()

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from mosaics import MosaicsConfig, MosaicsForCausalLM
-from mosaics.gated_leaky import gated_leaky_reference
-from mosaics.leaky import decay_rate
-from mosaics.memory import EXP_SCALE, ContextualMemory, bandwidth, split_heads
-from mosaics.memory_v2 import GatedKeys, Positions, SwiGLUMemory, document_positions
+from mosaics.memory import ContextualMemory, GatedKeys, SwiGLUMemory
+from mosaics.positions import Positions, document_positions
+from mosaics.reference import contextual_memory_reference, reference_logits
 
 SMALL_LEVELS = dict(three_level_memory=True, short_term_window=6, long_term_gap=4,
                     long_term_gap_range=[3, 7])
@@ -122,41 +121,16 @@ def test_swiglu_sizes_and_round_trip(tmp_path):
 
 # --- adaptive bandwidth, three-level memory, documents ----------------------------------------
 
-def _explicit_memory(mem: ContextualMemory, x: torch.Tensor, documents: torch.Tensor | None,
-                     gap: int) -> torch.Tensor:
-    """The contextual memory as loops: keys by the leaky recursion restarted at documents,
-    then for every query t the Gaussian kernel over the entries lo <= s <= hi only."""
-    B, T, _ = x.shape
-    H = mem.n_head
-    k_raw, v_raw = (split_heads(f(x), H) for f in (mem.k_proj, mem.v_proj))
-    a = decay_rate(mem.leaky_p, EXP_SCALE).view(1, H, 1).expand(B, H, T)
-    kbar = gated_leaky_reference(k_raw, torch.ones(B, H, T), a, documents=documents)
-    keys = kbar / kbar.norm(dim=-1, keepdim=True).clamp_min(1e-6)
-    nxt = torch.cat([v_raw[:, :, 1:], torch.zeros_like(v_raw[:, :, :1])], dim=2)
-    c = mem.lookahead_c.view(1, H, 1, 1)
-    vbar = (1 - c) * nxt + c * v_raw
-    values = vbar / vbar.norm(dim=-1, keepdim=True).clamp_min(1e-6)
-    y = torch.zeros_like(values)
-    for b in range(B):
-        for t in range(T):
-            lo = 0
-            if documents is not None:
-                lo = min(s for s in range(T) if documents[b, s] == documents[b, t])
-            if mem.window is not None:
-                lo = max(lo, t - mem.window + 1)
-            hi = t - gap
-            if hi < lo:
-                continue
-            n = hi - lo + 1
-            if mem.adaptive is not None:
-                th = mem.adaptive
-                beta = (torch.exp(th.theta1.clamp(max=10)) * n ** th.theta2.abs().clamp(max=1)
-                        + torch.exp(th.theta0.clamp(max=10)))
-            else:
-                beta = bandwidth(mem.bandwidth_b)
-            scores = beta.view(H, 1) * (keys[b, :, lo:hi + 1] @ keys[b, :, t].unsqueeze(-1))[..., 0]
-            y[b, :, t] = torch.einsum("hs,hsd->hd", scores.softmax(-1), values[b, :, lo:hi + 1])
-    return mem.output(y)
+def test_v2_logits_match_reference_model():
+    """Every option at once, the whole stack against the position-by-position reference."""
+    torch.manual_seed(3)
+    cfg = _config(gated_keys=True, adaptive_bandwidth=True, persistent_memory="swiglu",
+                  **{**SMALL_LEVELS, "long_term_gap_range": None})
+    model = MosaicsForCausalLM(cfg).double().eval()
+    _gate_randomly(model)
+    ids = torch.randint(1, 61, (2, 17))
+    torch.testing.assert_close(model(ids).logits, reference_logits(model, ids),
+                               rtol=1e-7, atol=1e-7)
 
 
 @pytest.mark.parametrize("level,options", [
@@ -186,8 +160,8 @@ def test_contextual_memory_against_explicit_loops(level, options):
     pos = Positions(gap=options.get("long_term_gap", 64) if level == "long" else 1,
                     documents=docs if masking else None,
                     doc_starts=doc_starts if masking else None)
-    y, _ = mem(x, None, pos)
-    ref = _explicit_memory(mem, x, docs if masking else None, pos.gap)
+    y, _ = mem(x, pos)
+    ref = contextual_memory_reference(mem, x, pos.gap, docs if masking else None)
     torch.testing.assert_close(y, ref, rtol=1e-9, atol=1e-9)
 
 
@@ -247,10 +221,10 @@ def test_short_term_decoding_memory_stays_bounded():
         for t in range(3, 60):
             out = model(ids[:, t:t + 1], cache=out.cache, use_cache=True)
             steps.append(out.logits)
-            short = out.cache.layers[0]["context"]["short"]
-            assert short["mem_keys"].shape[2] <= 2 * (6 - 1) + 1
-    long = out.cache.layers[0]["context"]["long"]
-    assert long["mem_keys"].shape[2] == 59  # every entry: the long-term memory sees them all
+            short = out.cache.layers[0].context[0]
+            assert short.memory["keys"].shape[2] <= 2 * (6 - 1) + 1
+    long = out.cache.layers[0].context[1]
+    assert long.memory["keys"].shape[2] == 59  # every entry: the long-term memory sees them all
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
 
 

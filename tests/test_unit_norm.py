@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mosaics.unit_norm import unit_vectors
+from mosaics.ops import unit_vectors
 
 
 def test_matches_normalize_forward_and_backward() -> None:

@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
-from ..leaky import chunk_grid, merge_chunks, split_chunks
+from ..ops.leaky import chunk_grid, merge_chunks, split_chunks
 from .base import (
     Kernel,
     KernelState,

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..ops.causal import causal_attention
 from .base import (
     Kernel,
     KernelState,
@@ -29,7 +30,6 @@ from .base import (
     run_plan,
     work_precision,
 )
-from .causal_attention import causal_attention
 
 
 @register_kernel("gaussian")

@@ -1,31 +1,20 @@
-"""Causal softmax attention on CPU that skips the masked half of the score matrix.
+"""Strict-past (causal) softmax attention, with a CPU form that skips the masked half.
+
+    y = softmax(scale q k^T + causal mask) v          (causal_attention_reference)
 
 PyTorch's CPU flash-attention kernel cuts keys into blocks of 512, so below about a thousand
-positions ``is_causal=True`` computes the full T x T scores and masks half of them: at
-(4, 4, 511, 64), 1 thread, forward + backward took 50.6 ms causal and 50.3 ms non-causal.
-
-Here the queries are cut into blocks of b rows. Block i attends its own b keys causally and
-the i b keys before them without a mask, and the two partial results merge by their
-log-sum-exps:
+positions ``is_causal=True`` computes the full T x T scores and masks half of them. Here the
+queries are cut into blocks of b rows: block i attends its own b keys causally and the i b
+keys before them without a mask, and the two partial results merge by their log-sum-exps,
 
     lse = logaddexp(lse_past, lse_diag),
     out = e^{lse_past - lse} out_past + e^{lse_diag - lse} out_diag.
 
-The backward calls the fused backward once per part with the merged (out, lse). That is
-exact: a flash backward only needs P = exp(S - lse) and D = rowsum(dO * O) of the whole row,
-and each part yields the gradients of its own keys and values and a share of dq. Score
-entries computed: b^2 n (n + 1) / 2 instead of T^2 (n = T / b blocks), 0.625 T^2 at n = 4.
-
-Used where it pays: CPU tensors, no attention dropout, fewer than 768 positions, at least
-four blocks of 64 to 128 rows. Forward + backward time over the stock call at (4, 4, T, 64),
-``python bench/causal_attention.py`` (ratios vary by about 0.05 run to run):
-
-    T            255    320    383    511    767
-    1 thread    0.86   0.86   0.80   0.76   0.87
-    2 threads   0.91   0.89   0.84   0.75   0.89
-
-From about a thousand positions the stock kernel's own key blocks skip most of the masked
-part. On GPU the fused kernels skip masked blocks themselves.
+The backward calls the fused backward once per part with the merged (out, lse); that is exact,
+since a flash backward only needs P = exp(S - lse) and D = rowsum(dO * O) of the whole row.
+Score entries computed: b^2 n (n + 1) / 2 instead of T^2 (n = T / b blocks). Used on CPU
+without dropout below ``max_len`` positions (``bench/causal_attention.py`` measures where it
+pays); on GPU the fused kernels skip masked blocks themselves.
 """
 
 from __future__ import annotations
@@ -143,3 +132,11 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: f
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     with torch.autocast("cpu", enabled=False):
         return _BlockedCausal.apply(q, k, v, scale, b)
+
+
+def causal_attention_reference(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """softmax(scale q k^T) v over s <= t, written out."""
+    T, S = q.shape[2], k.shape[2]
+    mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
+    scores = (scale * q @ k.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v

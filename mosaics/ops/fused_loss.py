@@ -8,9 +8,7 @@ the logits, their log-softmax and their gradient, (N, V) each. The backward only
 stored gradients by the incoming one. Logits are computed in the autocast dtype when autocast
 is on (as ``F.linear`` would) and normalised in fp32.
 
-Measured (N = 2048 rows, d 256, 2 threads, fp32, forward + backward, alternating runs):
-88 ms against 113 ms for ``F.cross_entropy(F.linear(h, W), y)`` at V = 4096, 1.07 s against
-1.35 s at V = 50304, where it also saves three (N, V) fp32 buffers (1.2 GB).
+``linear_cross_entropy_reference`` is the same loss through the (N, V) logits.
 """
 
 from __future__ import annotations
@@ -95,3 +93,11 @@ def linear_cross_entropy(h: Tensor, weight: Tensor, labels: Tensor, ignore_index
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     return _LinearCrossEntropy.apply(h, weight, labels, ignore_index, reduction, chunk_size)
+
+
+def linear_cross_entropy_reference(h: Tensor, weight: Tensor, labels: Tensor,
+                                   ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+    """``F.cross_entropy(h @ weight.T, labels)`` through the full logits."""
+    logits = (h @ weight.t()).to(torch.promote_types(h.dtype, torch.float32))
+    return torch.nn.functional.cross_entropy(logits, labels, ignore_index=ignore_index,
+                                             reduction=reduction)

@@ -1,5 +1,5 @@
-"""Memory Mosaics v2 parts against their formulas: adaptive bandwidth, visible-entry counts,
-gated keys (explicit loop, v1 at init, decoding steps), SwiGLU."""
+"""The contextual memory's options against their formulas: adaptive bandwidth, visible
+intervals, gated keys (explicit loop, v1 at init, decoding steps), SwiGLU."""
 
 from __future__ import annotations
 
@@ -7,8 +7,22 @@ import math
 
 import torch
 
-from mosaics.gated_leaky import gated_leaky_reference
-from mosaics.memory_v2 import AdaptiveBandwidth, GatedKeys, SwiGLUMemory, visible_entries
+from mosaics.memory import AdaptiveBandwidth, GatedKeys, SwiGLUMemory
+from mosaics.ops import leaky_average, leaky_average_reference, unit_vectors
+from mosaics.positions import Positions, visible_interval
+
+
+def visible_entries(T, offset=0, window=None, gap=1):
+    """Entries each query sees, from :func:`visible_interval`."""
+    lo, hi = visible_interval(T, Positions(start=offset), window, gap, torch.device("cpu"))
+    return (hi - lo + 1).clamp(min=0)[0]
+
+
+def gated_keys(keys, x, feats, state=None, chunk=4):
+    """Unit keys and the last sum of the key features ``feats`` gated by ``keys``' rates."""
+    gain, a = keys(x)
+    kbar, last = leaky_average(feats, a, gain=gain, initial=state, chunk=chunk)
+    return unit_vectors(kbar), last
 
 
 def test_adaptive_bandwidth_formula_and_caps():
@@ -48,8 +62,8 @@ def _keys_inputs(B=2, T=21, d=12, H=3):
 
 def test_gated_keys_start_as_the_v1_average_and_follow_the_recursion():
     x, feats = _keys_inputs()
-    keys = GatedKeys(12, 3, chunk=4)
-    out, last = keys(x, feats)
+    keys = GatedKeys(12, 3)
+    out, last = gated_keys(keys, x, feats)
     lam = torch.exp(-torch.linspace(0.5, 5.0, 3)).view(1, 3, 1, 1)
     kbar, ref = torch.zeros_like(feats[:, :, 0]), []
     for t in range(feats.shape[2]):
@@ -61,24 +75,24 @@ def test_gated_keys_start_as_the_v1_average_and_follow_the_recursion():
     with torch.no_grad():  # input-dependent gates
         keys.gate.weight.normal_(0, 0.3)
         keys.decay.weight.normal_(0, 0.3)
-    out, _ = keys(x, feats)
-    gain, a = keys.rates(x)
-    loop = gated_leaky_reference(feats.double(), gain.double(), a.double())
+    out, _ = gated_keys(keys, x, feats)
+    gain, a = keys(x)
+    loop = leaky_average_reference(feats.double(), a.double(), gain=gain.double())
     torch.testing.assert_close(out.double(), loop / loop.norm(dim=-1, keepdim=True),
                                rtol=1e-5, atol=1e-6)
 
 
 def test_gated_keys_decode_step_by_step():
     x, feats = _keys_inputs()
-    keys = GatedKeys(12, 3, chunk=8)
+    keys = GatedKeys(12, 3)
     with torch.no_grad():
         keys.gate.weight.normal_(0, 0.3)
         keys.decay.weight.normal_(0, 0.3)
-    full, _ = keys(x, feats)
-    out, state = keys(x[:, :9], feats[:, :, :9])
+    full, _ = gated_keys(keys, x, feats, chunk=8)
+    out, state = gated_keys(keys, x[:, :9], feats[:, :, :9], chunk=8)
     steps = [out]
     for t in range(9, 21):
-        y, state = keys(x[:, t:t + 1], feats[:, :, t:t + 1], state)
+        y, state = gated_keys(keys, x[:, t:t + 1], feats[:, :, t:t + 1], state, chunk=8)
         steps.append(y)
     torch.testing.assert_close(torch.cat(steps, 2), full, rtol=1e-5, atol=1e-6)
 
@@ -92,5 +106,5 @@ def test_swiglu_formula():
     expect = ((h * torch.sigmoid(h)) * (x @ w3.T)) @ w2.T
     y, state = mem(x)
     torch.testing.assert_close(y, expect)
-    assert state is None and mem(x, {})[1] == {}
+    assert state is None and mem(x, use_cache=True)[1] is None
     assert sum(p.numel() for p in mem.parameters()) == 3 * 8 * 24

@@ -1,0 +1,44 @@
+"""The fast paths of the model, each behind one function with its plain reference beside it.
+
+=======================  ==============================  ======================================
+op                       reference                       what it computes
+=======================  ==============================  ======================================
+``leaky_average``        ``leaky_average_reference``     kbar_t = g_t x_t + e^{-a_t} kbar_{t-1}
+``unit_vectors``         ``unit_vectors_reference``      x / max(|x|, eps)
+``lookahead_values``     ``lookahead_values_reference``  unit((1 - c) v~_{s+1} + c v~_s)
+``causal_attention``     ``causal_attention_reference``  softmax(scale q k^T, s <= t) v
+``bank_attention``       ``bank_attention_reference``    softmax(q M_k^T) M_v
+``linear_cross_entropy`` ``linear_cross_entropy_ref..``  CE(h W^T, y) without the logits
+=======================  ==============================  ======================================
+
+Each op chooses its form inside (device, dtype, sizes, gradients, ``MOSAICS_CPU_EXTENSION``),
+so the model code (:mod:`mosaics.memory`) never names a fused kernel. ``tests/test_ops.py``
+checks every op against its reference, value and gradient, in float64.
+"""
+
+from .banks import bank_attention, bank_attention_reference
+from .causal import causal_attention, causal_attention_reference
+from .fused_loss import linear_cross_entropy, linear_cross_entropy_reference
+from .leaky import decay_rate, leaky_average, leaky_average_reference
+from .unit import (
+    lookahead_values,
+    lookahead_values_reference,
+    unit_vectors,
+    unit_vectors_reference,
+)
+
+__all__ = [
+    "bank_attention",
+    "bank_attention_reference",
+    "causal_attention",
+    "causal_attention_reference",
+    "decay_rate",
+    "leaky_average",
+    "leaky_average_reference",
+    "linear_cross_entropy",
+    "linear_cross_entropy_reference",
+    "lookahead_values",
+    "lookahead_values_reference",
+    "unit_vectors",
+    "unit_vectors_reference",
+]

@@ -1,0 +1,102 @@
+"""Every op of :mod:`mosaics.ops` against its plain reference: value and gradient, float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mosaics import ops
+
+torch.manual_seed(0)
+B, H, T, D = 2, 3, 23, 5
+
+
+def _leaves(*shapes, positive: bool = False) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(len(shapes))
+    out = []
+    for shape in shapes:
+        t = torch.randn(*shape, generator=g, dtype=torch.float64)
+        out.append((t.abs() + 0.05 if positive else t).requires_grad_())
+    return out
+
+
+def _same_value_and_grad(fast, slow, leaves: list[torch.Tensor]) -> None:
+    y_fast, y_slow = fast(*leaves), slow(*leaves)
+    torch.testing.assert_close(y_fast, y_slow, rtol=1e-9, atol=1e-9)
+    g = torch.randn_like(y_slow)
+    for a, b in zip(torch.autograd.grad(y_fast, leaves, g), torch.autograd.grad(y_slow, leaves, g),
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-8)
+
+
+@pytest.mark.parametrize("form", ["constant", "constant+initial", "gated", "gated+documents"])
+def test_leaky_average(form):
+    x, init = _leaves((B, H, T, D), (B, H, D))
+    a_head, gain, a_step = _leaves((H,), (B, H, T), (B, H, T), positive=True)
+    docs = torch.tensor([[0] * 9 + [1] * 14, [0] * 3 + [2] * 20])
+    kw = {"constant": {}, "constant+initial": {"initial": init},
+          "gated": {"gain": gain}, "gated+documents": {"gain": gain, "documents": docs,
+                                                       "initial": init}}[form]
+    a = a_step if "gain" in kw else a_head
+    leaves = [x, a] + [kw[k] for k in ("gain", "initial") if k in kw]
+
+    def call(fn, *args):
+        extra = dict(zip([k for k in ("gain", "initial") if k in kw], args[2:], strict=True))
+        if "documents" in kw:
+            extra["documents"] = docs
+        return fn(args[0], args[1], **extra)
+
+    _same_value_and_grad(lambda *t: call(ops.leaky_average, *t)[0],
+                         lambda *t: call(ops.leaky_average_reference, *t), leaves)
+
+
+def test_leaky_average_decoding_step_writes_in_place():
+    x, init = _leaves((B, H, 1, D), (B, H, D))
+    a = torch.rand(H, dtype=torch.float64)
+    want = ops.leaky_average_reference(x.detach(), a, initial=init.detach())
+    state = init.detach().clone()
+    with torch.no_grad():
+        out, last = ops.leaky_average(x, a, initial=state)
+    assert last.data_ptr() == state.data_ptr()
+    torch.testing.assert_close(out, want)
+
+
+def test_unit_vectors():
+    (x,) = _leaves((B, H, T, D))
+    with torch.no_grad():
+        x[0, 0, 0] = 1e-9  # below eps: x / eps, as F.normalize
+    _same_value_and_grad(ops.unit_vectors, ops.unit_vectors_reference, [x])
+
+
+@pytest.mark.parametrize("previous", [False, True])
+@pytest.mark.parametrize("n", [1, T])
+def test_lookahead_values(previous, n):
+    v, c, prev = _leaves((B, H, n, D), (H,), (B, H, 1, D))
+    leaves = [v, c, prev] if previous else [v, c]
+    _same_value_and_grad(ops.lookahead_values, ops.lookahead_values_reference, leaves)
+
+
+@pytest.mark.parametrize("T_", [7, 300])
+def test_causal_attention(T_):
+    q, k, v = _leaves((B, H, T_, D), (B, H, T_, D), (B, H, T_, D))
+    _same_value_and_grad(lambda *t: ops.causal_attention(*t, scale=0.7, block=64),
+                         lambda *t: ops.causal_attention_reference(*t, scale=0.7), [q, k, v])
+
+
+@pytest.mark.parametrize("P", [40, 1000])
+def test_bank_attention(P):
+    q, k, v = _leaves((H, 30, D), (H, P, D), (H, P, D))
+    _same_value_and_grad(ops.bank_attention, ops.bank_attention_reference, [q, k, v])
+    with torch.no_grad():  # few rows while decoding: the batched-GEMV form
+        torch.testing.assert_close(ops.bank_attention(q[:, :2], k, v),
+                                   ops.bank_attention_reference(q[:, :2], k, v))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_cross_entropy(reduction):
+    h, w = _leaves((37, D), (11, D))
+    y = torch.randint(0, 11, (37,))
+    y[[3, 20]] = -100
+    _same_value_and_grad(lambda h, w: ops.linear_cross_entropy(h, w, y, -100, reduction, 8),
+                         lambda h, w: ops.linear_cross_entropy_reference(h, w, y, -100,
+                                                                          reduction), [h, w])
