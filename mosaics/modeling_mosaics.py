@@ -238,8 +238,8 @@ class MosaicsModel(MosaicsPreTrainedModel):
 
 
     def kernels(self) -> list[Kernel]:
-        """The contextual memories' kernels, in layer order (found once: walking every
-        module costs about 36 us per decoding step)."""
+        """The contextual memories' kernels, in layer order (found once, not walked per
+        decoding step)."""
         found = self.__dict__.get("_kernels")
         if found is None:
             found = [m for m in self.blocks.modules() if isinstance(m, Kernel)]

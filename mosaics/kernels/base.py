@@ -306,8 +306,8 @@ def attend_plan(lo: Tensor, hi: Tensor, S: int, batch_heads: int,
     intervals that move forward with i (windows, gaps, documents) one block of
     batch_heads x r x (c1 - c0) scores stays near ``elements``; and r <= max(32, w / 4): the
     rows of a window of w entries see w + r - 1 columns between them, so a chunk computes up
-    to (w + r) / w times the visible scores (measured at w = 256, T = 1024 and 4096: w / 4
-    ran 10-30% faster than the memory bound alone). A chunk that still spans more than 4x
+    to (w + r) / w times the visible scores (w / 4 measured faster than the memory bound
+    alone at w = 256, T = 1024 and 4096). A chunk that still spans more than 4x
     ``elements`` (intervals out of order) is halved until it does not. The bounds are read on
     the host (one small device-to-host copy).
     """

@@ -460,8 +460,7 @@ def _round_up(x: int, m: int) -> int:
 def _tile_rows(kernel: ScoreKernel, batch_heads: int, n: int, S: int) -> int:
     """Query rows per tile: at most ``chunk_elements`` scores and TILE_ROWS rows. Per tile
     there is a fixed cost (~100 small ops) and a wasted triangle of rows^2 / 2 masked scores;
-    forward + backward at (4, 4, 512, 64), (1, 4, 1024, 32) and (1, 4, 4096, 32) was fastest
-    at 64-96 rows (32 and 256 rows: 10-50% slower)."""
+    64-96 rows measured fastest for forward + backward (``bench/kernels.py``)."""
     return max(1, min(_rows_per_chunk(kernel, batch_heads, S), TILE_ROWS))
 
 
@@ -475,9 +474,8 @@ class _PowerRetrieval(torch.autograd.Function):
     dZ = h (dP - c) in place (h = u^(r-1)), dQ = beta kappa dZ K, dK^T += (beta kappa Q)^T dZ
     and dbeta from dQ's rows: five GEMMs and a few in-place passes over the tile.
 
-    The elementwise passes stay eager: on a (4, 64, 4096) tile, subtract, scale, shift, clamp,
-    square and row sum take 0.33 ms in place; ``torch.compile`` of the same chain ran in
-    0.38 ms after a 39 s first compile (one CPU thread, measured here), so it is not used.
+    The elementwise passes stay eager, in place: ``torch.compile`` of the same chain measured
+    no faster on CPU, after a long first compile.
     """
 
     @staticmethod
