@@ -20,6 +20,7 @@ Everything else (inference, dropout, other devices) is one fused
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -59,7 +60,10 @@ def bank_extension() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name=f"{NAME}_{capability.lower()}", sources=[str(SOURCE)],
+        # one build per checkout and source: two checkouts sharing TORCH_EXTENSIONS_DIR would
+        # otherwise rebuild each other's build (its build file names the source's path)
+        digest = hashlib.sha256(str(SOURCE).encode() + SOURCE.read_bytes()).hexdigest()[:10]
+        module = load(name=f"{NAME}_{capability.lower()}_{digest}", sources=[str(SOURCE)],
                       extra_cflags=["-O3", "-fopenmp", *flags], verbose=False)
         _check(module)
     except Exception as err:  # no compiler, no ninja, an unsupported CPU, a wrong result
