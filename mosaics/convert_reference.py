@@ -342,10 +342,13 @@ def convert_reference(checkpoint_path: str | os.PathLike, out_dir: str | os.Path
             tok.save_pretrained(tmp)
         from .model_card import write_model_card
         iters = ckpt.get("iter_num")
+        run_config = ckpt.get("config") if isinstance(ckpt.get("config"), Mapping) else {}
+        dataset = args.get("dataset") or run_config.get("dataset")
         write_model_card(tmp, config, source=_SOURCE_NAMES[fmt],
                          steps=int(iters) if isinstance(iters, int) else None,
-                         datasets=[str(args["dataset"])] if args.get("dataset") else None,
-                         tokenizer=tokenizer)
+                         datasets=[str(dataset)] if dataset else None,
+                         tokenizer=tokenizer or "not saved here: the reference code uses the "
+                         "GPT-2 BPE (tiktoken gpt2); convert with --tokenizer to include one")
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

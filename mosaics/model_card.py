@@ -69,6 +69,11 @@ def _prod(shape: Sequence[int]) -> int:
     return n
 
 
+def format_count(n: int) -> str:
+    """123588336 -> '123.6M'; small counts in full (12,345)."""
+    return f"{n / 1e6:.1f}M" if n >= 1_000_000 else f"{n:,}"
+
+
 def _looks_like_hub_id(name: str) -> bool:
     """A dataset named as on the hub (``owner/name`` or ``name``), not a local path."""
     return (not name.startswith((".", "/", "~")) and " " not in name and name.count("/") <= 1
@@ -113,7 +118,7 @@ def render_model_card(config: Mapping[str, Any], *, n_params: int | None = None,
     hub_ids = [d for d in datasets or () if _looks_like_hub_id(d)]
     data = ModelCardData(library_name="transformers", license=LICENSE, tags=tags,
                          pipeline_tag="text-generation", datasets=hub_ids or None)
-    size = f" ({n_params / 1e6:.2f}M parameters)" if n_params else ""
+    size = f" ({format_count(n_params)} parameters)" if n_params else ""
     body = [f"# Memory Mosaics language model{size}", ""]
     if source:
         body += [f"Converted from a checkpoint of {source} with `mosaics convert-reference`; "
@@ -125,7 +130,7 @@ def render_model_card(config: Mapping[str, Any], *, n_params: int | None = None,
         extra = f" of {tokens_per_step:,} tokens" if tokens_per_step else ""
         body.append(f"- optimizer steps: {steps:,}{extra}")
     if tokenizer:
-        body.append(f"- tokenizer: `{tokenizer}`")
+        body.append(f"- tokenizer: {tokenizer if ' ' in tokenizer else f'`{tokenizer}`'}")
     for name, value in (losses or {}).items():
         if value is not None:
             body.append(f"- final {name} loss: {value:.4f} nats/token")

@@ -8,7 +8,7 @@ from huggingface_hub import ModelCard
 
 from mosaics import MosaicsForCausalLM
 from mosaics.errors import InputError
-from mosaics.model_card import write_model_card, write_training_card
+from mosaics.model_card import format_count, write_model_card, write_training_card
 from mosaics.training import TrainConfig, TrainResult
 
 
@@ -37,7 +37,7 @@ def test_training_card_header_and_body(tiny_config, tmp_path):
     card = ModelCard.load(path)  # the hub's own parser
     assert card.data.pipeline_tag == "text-generation"
     n_params = sum(p.numel() for p in model.parameters())  # tied head counted once
-    assert f"({n_params / 1e6:.2f}M parameters)" in text
+    assert f"({n_params:,} parameters)" in text
     for fact in ("2 blocks", "width d = 32, 4 heads of 8", "optimizer steps: 7 of 1,024 tokens",
                  "final train loss: 2.2500", "final validation loss: 2.5000",
                  "tokenizer: `gpt2`", "AutoModelForCausalLM.from_pretrained",
@@ -54,6 +54,10 @@ def test_local_data_is_described_but_not_a_hub_dataset(tiny_config, tmp_path):
     assert "datasets" not in _header(text)
     assert f"- data: {tmp_path}" in text
     assert "final train loss" not in text and "final validation loss: 3.0000" in text
+
+
+def test_parameter_counts_read_well():
+    assert format_count(123_588_336) == "123.6M" and format_count(20_544) == "20,544"
 
 
 def test_card_with_evaluation_results(tiny_config, tmp_path):
