@@ -15,7 +15,8 @@ Three source layouts are recognised from the checkpoint's keys (docs/convert.md)
 * ``nanomosaics``: ``nanoMosaics/mosaic_model.py``. Its logits carry no 1/sqrt(d) factor
   (folded into ``ln_f.weight``), its persistent-memory key scale exp(min(20 s, ln 65535))
   is folded into the slot keys (bandwidth set to 1), and its contextual key scale
-  exp(2 min(10 s, ln 65535 / 2)) equals this model's bandwidth while 10 s <= 5.
+  exp(2 min(10 s, ln 65535)) equals this model's bandwidth exp(2 min(10 b, 5)) while
+  10 s <= 5.
 
 Checkpoints are read with ``torch.load(weights_only=True)``; only ``argparse.Namespace`` is
 allowed in addition to tensors and plain containers (the reference may store its arguments
@@ -250,7 +251,7 @@ def _convert_nanomosaics(sd: Mapping[str, Tensor], args: Mapping[str, Any]
         if (10 * scale).max() > BANDWIDTH_LOG_CAP:
             raise ReferenceFormatError(
                 f"{src}.attn.k_featurizer.key_scale reaches 10 s = {10 * scale.max():.3f} > 5: "
-                "nanoMosaics caps the contextual bandwidth at exp(2 min(10 s, ln 65535 / 2)), "
+                "nanoMosaics scales the contextual scores by exp(2 min(10 s, ln 65535)), "
                 "this model at exp(2 min(10 b, 5)); a bandwidth-cap option would be needed.")
         out[f"{dst}.cmem.bandwidth_b"] = scale
         v = f"{src}.attn.v_featurizer"

@@ -365,3 +365,21 @@ def test_existing_output_directory_is_kept(tmp_path):
     assert (out / "keep.txt").read_text() == "x"
     convert_reference(ckpt, out, overwrite=True)
     assert not (out / "keep.txt").exists() and (out / "README.md").is_file()
+
+
+def test_tokenizer_is_saved_alongside(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(V - 1)} | {"<|endoftext|>": V - 1}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>",
+                            bos_token="<|endoftext|>").save_pretrained(tmp_path / "tok")
+    ckpt = save_checkpoint(tmp_path / "ckpt.pt", library_state_dict(True), library_args())
+    out = convert_reference(ckpt, tmp_path / "hf", tokenizer=str(tmp_path / "tok"))
+    assert AutoTokenizer.from_pretrained(out)("w3 w5").input_ids == [3, 5]
+    assert AutoModelForCausalLM.from_pretrained(out).config.eos_token_id == V - 1
+    with pytest.raises(InputError, match="Cannot load tokenizer"):
+        convert_reference(ckpt, tmp_path / "hf2", tokenizer=str(tmp_path / "no_such_tok"))
+    assert not (tmp_path / "hf2").exists()
