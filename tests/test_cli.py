@@ -159,6 +159,16 @@ def test_eval_delegates_or_says_what_is_missing(capsys):
         assert rc == 2 and "mosaics.evaluation.cli.main is missing" in err
 
 
+def test_eval_forwards_every_argument(monkeypatch):
+    from mosaics.evaluation import cli as evaluation_cli
+
+    seen = []
+    monkeypatch.setattr(evaluation_cli, "main", lambda argv: seen.append(argv) or 3,
+                        raising=False)
+    assert cli.main(["eval", "perplexity", "runs/x/final", "--data", "v.txt"]) == 3
+    assert seen == [["perplexity", "runs/x/final", "--data", "v.txt"]]
+
+
 def test_bench_outside_a_checkout_says_so(capsys, monkeypatch):
     monkeypatch.setattr(cli, "_checkout_bench", lambda: None)
     rc, _, err = run(capsys, "bench", "throughput")
