@@ -42,6 +42,7 @@ from .configuration_mosaics import MosaicsConfig
 from .errors import InputError
 
 ORIG_MOD_PREFIX = "_orig_mod."
+REFERENCE_LICENSE = "apache-2.0"  # the reference code's; the card's default for its weights
 NANO_KEY_SCALE_LOG_CAP = math.log(2**16 - 1)  # nanoMosaics: exp(min(scale, ln 65535))
 BANDWIDTH_LOG_CAP = 5.0  # this model: beta = exp(2 min(10 b, 5))
 
@@ -348,6 +349,7 @@ def convert_reference(checkpoint_path: str | os.PathLike, out_dir: str | os.Path
         write_model_card(tmp, config, source=_SOURCE_NAMES[fmt],
                          steps=int(iters) if isinstance(iters, int) else None,
                          datasets=[str(dataset)] if dataset else None,
+                         license=REFERENCE_LICENSE,
                          tokenizer=tokenizer or "not saved here: the reference code uses the "
                          "GPT-2 BPE (tiktoken gpt2); convert with --tokenizer to include one")
         if out_dir.exists():

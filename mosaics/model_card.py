@@ -108,15 +108,15 @@ def render_model_card(config: Mapping[str, Any], *, n_params: int | None = None,
                       steps: int | None = None, tokens_per_step: int | None = None,
                       losses: Mapping[str, float | None] | None = None,
                       results: Mapping[str, Any] | None = None,
-                      tokenizer: str | None = None, model_id: str = "path/to/this/directory"
-                      ) -> ModelCard:
+                      tokenizer: str | None = None, model_id: str = "path/to/this/directory",
+                      license: str = LICENSE) -> ModelCard:
     """Build the card of a model whose ``config.json`` holds ``config``."""
     kernel = config.get("kernel")
     tags = ["memory-mosaics", "associative-memory", "causal-lm", "mosaics"]
     if kernel:
         tags.append(f"kernel-{kernel}")
     hub_ids = [d for d in datasets or () if _looks_like_hub_id(d)]
-    data = ModelCardData(library_name="transformers", license=LICENSE, tags=tags,
+    data = ModelCardData(library_name="transformers", license=license, tags=tags,
                          pipeline_tag="text-generation", datasets=hub_ids or None)
     size = f" ({format_count(n_params)} parameters)" if n_params else ""
     body = [f"# Memory Mosaics language model{size}", ""]

@@ -201,6 +201,7 @@ def test_convert_reference_command(capsys, tmp_path):
                                    rtol=1e-7, atol=1e-7)
     card = (tmp_path / "hf/README.md").read_text()
     assert "memory_mosaics_eft.py" in card and "optimizer steps: 1,200" in card
+    assert "\nlicense: apache-2.0\n" in card and "\n- BabiStories\n" in card
     rc, _, err = run(capsys, "convert-reference", str(tmp_path / "missing.pt"),
                      str(tmp_path / "hf2"))
     assert rc == 2 and "Checkpoint not found" in err
