@@ -1,8 +1,9 @@
 """Recipes that ship with the package: YAML training configs, accelerate and DeepSpeed files.
 
-They live in the checkout's top-level ``configs/``, which the wheel installs as the data package
-``mosaics.recipes``. A recipe is named by its path below that folder without the suffix
-(``babistories_124m``, ``accelerate/gpu_ddp``, ``deepspeed/zero2``).
+They live in the checkout's top-level ``configs/``; ``mosaics/recipes`` links to it, so the
+wheel installs them as the data package ``mosaics.recipes``. A recipe is named by its path below
+that folder without the suffix (``babistories_124m``, ``accelerate/gpu_ddp``,
+``deepspeed/zero2``).
 """
 
 from __future__ import annotations

@@ -57,13 +57,14 @@ def test_version_flag(capsys):
     assert capsys.readouterr().out.strip() == f"mosaics {mosaics.__version__}"
 
 
-def test_packaged_list_has_every_subpackage():
-    """pyproject lists the packages (configs/ is mapped in); a new subpackage must be added."""
-    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
-    found = set(find_packages(where=str(ROOT), include=["mosaics", "mosaics.*"]))
-    assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
-    assert listed - found == {"mosaics.recipes"}
-    assert PYPROJECT["tool"]["setuptools"]["package-dir"] == {"mosaics.recipes": "configs"}
+def test_recipes_package_is_the_configs_folder():
+    """The wheel's mosaics.recipes comes from configs/ through the link mosaics/recipes."""
+    link = ROOT / "mosaics" / "recipes"
+    assert link.is_symlink() and link.resolve() == (ROOT / "configs").resolve()
+    assert "mosaics.recipes" in find_packages(where=str(ROOT), include=["mosaics*"])
+    assert PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"] == ["mosaics*"]
+    patterns = PYPROJECT["tool"]["setuptools"]["package-data"]["mosaics.recipes"]
+    assert {"*.yaml", "**/*.yaml", "**/*.json"} <= set(patterns)
     assert PYPROJECT["project"]["scripts"] == {"mosaics": "mosaics.cli:main"}
 
 
