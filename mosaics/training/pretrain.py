@@ -100,6 +100,9 @@ def train(cfg: TrainConfig) -> TrainResult:
     result = trainer.fit()
     if cfg.save_final:
         result.final_dir = trainer.export(run_dir / "final", tokenizer)
+        if main:  # the model card (README.md) of the exported directory
+            from ..model_card import write_training_card
+            write_training_card(result.final_dir, cfg, result)
         if main and cfg.sample_tokens > 0:
             result.sample = sample_text(result.final_dir, cfg.sample_prompt, cfg.sample_tokens,
                                         cfg.seed)
