@@ -234,3 +234,16 @@ def test_compare_loss_table_and_plot(tmp_path, capsys):
     assert (tmp_path / "cmp.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         main(["compare-loss", f"c={tmp_path / 'missing.json'}"])
+
+
+def test_slurm_executor_off_a_cluster_says_where_to_run(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("submitit")
+    from mosaics.evaluation import cluster
+
+    monkeypatch.setattr(cluster.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit) as err:
+        main(["sweep", "--task", "sort", "--model", "gaussian", "--preset", "cpu",
+              "--executor", "slurm", "--out", str(tmp_path)])
+    assert err.value.code == 2
+    assert "needs SLURM's sbatch and srun on PATH" in capsys.readouterr().err
+    assert not (tmp_path / "results").exists()

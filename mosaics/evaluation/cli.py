@@ -145,7 +145,7 @@ def run_engine(p: argparse.ArgumentParser, args: argparse.Namespace, jobs: list,
         done = sweep.run_sweep(jobs, out, args.jobs, device, threads=args.threads,
                                executor=args.executor, resources=resources,
                                save_model=args.save_models)
-    except ImportError as err:
+    except (ImportError, RuntimeError) as err:
         p.error(str(err))
     print(sweep.summarize(out), end="")
     print(f"summary: {out / 'summary.md'}")

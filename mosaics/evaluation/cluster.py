@@ -8,6 +8,7 @@ submitit's own files (the task's stdout/stderr and pickles) go to ``<out>/logs/s
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -91,6 +92,10 @@ def submit(todo: Sequence[Any], out: Path, device: str, resources: Resources,
     submitit = _submitit()
     folder = Path(out) / "logs" / "submitit"
     cluster = "local" if executor == "submitit-local" else "slurm"
+    if cluster == "slurm" and not (shutil.which("sbatch") and shutil.which("srun")):
+        raise RuntimeError("--executor slurm needs SLURM's sbatch and srun on PATH: run the "
+                           "command on the cluster's login node (--executor submitit-local "
+                           "runs the same jobs as local processes)")
     ex = submitit.AutoExecutor(folder=folder / "%j", cluster=cluster)
     ex.update_parameters(**resources.executor_parameters(f"mosaics-{Path(out).name}"))
     with ex.batch():

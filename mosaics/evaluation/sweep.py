@@ -1,7 +1,10 @@
-"""Many task experiments from one command: expand jobs, run each as its own process, merge.
+"""The experiment engine behind ``mosaics eval regbench | extrapolation | sweep``: expand
+jobs, run each as its own process (here, or as a SLURM array task through
+:mod:`mosaics.evaluation.cluster`), merge the results into one set of tables.
 
-A job is one (task, model, seed, size) under a preset with overrides. Each job runs as a
-separate ``python -m mosaics.evaluation.sweep`` process and writes
+A job is one (task, model, seed, size) under a preset with overrides, or the scoring of a
+saved model. Each job runs as a separate ``python -m mosaics.evaluation.sweep`` process and
+writes
 ``<out>/results/<name>.json`` atomically; a job whose result file exists is skipped, so a
 stopped sweep resumes where it was. A failed job leaves ``<out>/failed/<name>.json`` (exit
 status and the end of its log, ``<out>/logs/<name>.log``) and is retried by the next sweep.
