@@ -301,7 +301,7 @@ def test_submitit_local_executor_runs_skips_and_merges_like_the_local_runner(tmp
     assert "no_such_kernel" in json.loads(sweep.failure_path(tmp_path, bad).read_text())[
         "log_tail"]
     assert (tmp_path / "logs" / f"{todo.name}.log").is_file()
-    assert list((tmp_path / "logs" / "submitit").glob("*/*_log.out"))
+    assert list((tmp_path / "logs" / "submitit").glob("*_log.out"))
     text = sweep.summarize(tmp_path, plot=False)
     assert "| mosaics/gaussian |" in text and "| llama |" in text and bad.name in text
     again = sweep.run_sweep([done_before, todo], tmp_path, report=lines.append,

@@ -96,7 +96,7 @@ def submit(todo: Sequence[Any], out: Path, device: str, resources: Resources,
         raise RuntimeError("--executor slurm needs SLURM's sbatch and srun on PATH: run the "
                            "command on the cluster's login node (--executor submitit-local "
                            "runs the same jobs as local processes)")
-    ex = submitit.AutoExecutor(folder=folder / "%j", cluster=cluster)
+    ex = submitit.AutoExecutor(folder=folder, cluster=cluster)
     ex.update_parameters(**resources.executor_parameters(f"mosaics-{Path(out).name}"))
     with ex.batch():
         handles = [ex.submit(_spawn, job, Path(out), device, resources.cpus_per_job, save_model)
