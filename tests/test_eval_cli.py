@@ -15,7 +15,7 @@ from mosaics.evaluation.cli import COMMANDS, main
 from mosaics.evaluation.experiments import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--threads", "1"]
+TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--threads", "1", "--no-progress"]
 
 
 @pytest.fixture(scope="module")

@@ -97,6 +97,9 @@ def add_engine_args(p: argparse.ArgumentParser, out: str) -> None:
     g.add_argument("--save-models", action="store_true",
                    help="save_pretrained each trained model under <out>/jobs/<name>/models")
     g.add_argument("--dry-run", action="store_true", help="list the jobs and exit")
+    g.add_argument("--no-progress", action="store_true",
+                   help="accepted for older command lines: jobs never draw progress bars "
+                        "(their output goes to <out>/logs/<name>.log)")
     s = p.add_argument_group("scheduler (--executor slurm; values also from a job file's "
                              "'resources:')")
     s.add_argument("--executor", default="local", choices=["local", "slurm", "submitit-local"],
