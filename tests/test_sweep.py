@@ -1,5 +1,6 @@
-"""eval/sweep.py: job expansion, resume by skipping, failure records, merged tables, and one
-real tiny sweep of two processes."""
+"""The sweep engine: job expansion, resume by skipping, failure records, merged tables, the
+committed result files and job files, scheduler resources, and real tiny sweeps (local runner
+and submitit's local executor) in the integration tier."""
 
 import json
 import os
@@ -119,7 +120,7 @@ def test_existing_results_are_skipped(tmp_path):
 def test_threads_per_job_split_or_given(tmp_path, monkeypatch):
     assert sweep.threads_per_job(2, cores=8) == 4 and sweep.threads_per_job(16, cores=8) == 1
     seen = []
-    monkeypatch.setattr(sweep, "_spawn", lambda job, out, device, threads:
+    monkeypatch.setattr(sweep, "_spawn", lambda job, out, device, threads, save_model:
                         (seen.append(threads), (job, 1, 0.0))[1])
     job = sweep.make_job("sort", "gaussian", preset="cpu")
     lines = []
@@ -128,6 +129,7 @@ def test_threads_per_job_split_or_given(tmp_path, monkeypatch):
     assert sweep._child_env(3)["OMP_NUM_THREADS"] == "3"
 
 
+@pytest.mark.integration
 def test_a_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     bad = sweep.Job("sort", "mosaics/no_such_kernel", preset="cpu",
                     overrides={"steps": 1, "n_val": 2, "n_samples": 1, "multipliers": [1]})
@@ -188,6 +190,7 @@ def test_learning_curve_rows_pick_evaluations_at_even_steps(tmp_path):
     assert "validation curve" in sweep.summarize(tmp_path, plot=False)
 
 
+@pytest.mark.integration
 def test_tiny_sweep_end_to_end_with_two_processes(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "eval/sweep.py", "--task", "sort", "--model", "mosaics/gaussian",
@@ -217,3 +220,90 @@ def test_paper_rows_and_cells():
     assert paper.extrapolation_cell("sort", "mosaics/epanechnikov", 100) is None
     assert paper.regbench_cell("mosaics/biweight", 5000) == (0.947, 0.166)
     assert paper.regbench_cell("mosaics/biweight", 2500) is None
+
+
+COMMITTED = sorted((ROOT / "docs" / "results" / "sweeps").glob("*/results"))
+
+
+@pytest.mark.parametrize("results", COMMITTED, ids=lambda p: p.parent.name)
+def test_committed_results_still_merge_into_tables(results, tmp_path):
+    import shutil
+
+    shutil.copytree(results, tmp_path / "results")
+    records = sweep.load_results(tmp_path)
+    assert records and all({"job", "seconds", "results"} <= set(r) for r in records)
+    text = sweep.summarize(tmp_path, plot=False)
+    for record in records:
+        assert f"| {record['job']['label']} |" in text or \
+            f"| {record['job']['label']} s{record['job']['seed']} |" in text
+    assert "minutes" in text and "failed" not in text
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "eval" / "jobs").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_committed_job_files_load(path):
+    jobs, _ = sweep.load_job_file(path)
+    assert jobs and len({j.name for j in jobs}) == len(jobs)
+    assert isinstance(sweep.job_file_resources(path), dict)
+
+
+def test_resources_from_job_file_and_command_line(tmp_path):
+    from mosaics.evaluation.cluster import Resources
+
+    (tmp_path / "jobs.yaml").write_text(
+        "resources: {partition: gpu, gpus_per_job: 1, time_min: 90, slurm: {account: lab}}\n"
+        "grid: {task: sort, model: gaussian}\n")
+    spec = sweep.job_file_resources(tmp_path / "jobs.yaml")
+    res = Resources.from_mapping(spec, "jobs.yaml").merged(time_min=30, cpus_per_job=None,
+                                                           slurm={"qos": "high"})
+    params = res.executor_parameters("mosaics-x")
+    assert params["slurm_partition"] == "gpu" and params["gpus_per_node"] == 1
+    assert params["timeout_min"] == 30 and params["cpus_per_task"] == 1  # command line wins
+    assert params["slurm_additional_parameters"] == {"account": "lab", "qos": "high"}
+    assert "gpus_per_node" not in Resources().executor_parameters("cpu-only")
+    with pytest.raises(ValueError, match="unknown resource setting.*gpus"):
+        Resources.from_mapping({"gpus": 1}, "jobs.yaml")
+    with pytest.raises(ValueError, match="time_min must be positive"):
+        Resources.from_mapping({"time_min": 0}, "jobs.yaml")
+    (tmp_path / "bad.yaml").write_text("resources: 4\ngrid: {task: sort, model: gaussian}\n")
+    with pytest.raises(ValueError, match="'resources' must be a mapping"):
+        sweep.job_file_resources(tmp_path / "bad.yaml")
+
+
+def test_unknown_executor_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown executor 'pbs'"):
+        sweep.run_sweep([], tmp_path, executor="pbs")
+
+
+@pytest.mark.integration
+def test_submitit_local_executor_runs_skips_and_merges_like_the_local_runner(tmp_path):
+    """Real processes through submitit (no scheduler): one job is already done, one runs as
+    a submitit task, one fails; the failure is recorded and the rerun skips the done ones."""
+    pytest.importorskip("submitit")
+    from mosaics.evaluation.cluster import Resources
+
+    tiny = {"steps": 2, "eval_every": 1, "n_val": 4, "n_samples": 3, "multipliers": [1, 2],
+            "n_layer": 1, "n_embd": 16, "n_head": 2}
+    done_before = sweep.make_job("sort", "llama", preset="cpu", overrides=tiny)
+    _fake_extrapolation(tmp_path, done_before, 1.0)
+    todo = sweep.make_job("sort", "gaussian", preset="cpu", overrides=tiny)
+    bad = sweep.Job("sort", "mosaics/no_such_kernel", preset="cpu", overrides=tiny)
+    lines = []
+    done = sweep.run_sweep([done_before, todo, bad], tmp_path, device="cpu",
+                           report=lines.append, executor="submitit-local",
+                           resources=Resources(cpus_per_job=1, time_min=5))
+    assert done["skipped"] == [done_before] and done["finished"] == [todo]
+    assert done["failed"] == [bad], lines
+    assert "1 already done, 2 to submit (submitit-local)" in lines[0]
+    assert any(line.startswith("submitted 2 task(s) as local job") for line in lines)
+    record = json.loads(sweep.result_path(tmp_path, todo).read_text())
+    assert record["seconds"] > 0 and record["results"]["runs"][0]["train"]["steps"] == 2
+    assert "no_such_kernel" in json.loads(sweep.failure_path(tmp_path, bad).read_text())[
+        "log_tail"]
+    assert (tmp_path / "logs" / f"{todo.name}.log").is_file()
+    assert list((tmp_path / "logs" / "submitit").glob("*_log.out"))
+    text = sweep.summarize(tmp_path, plot=False)
+    assert "| mosaics/gaussian |" in text and "| llama |" in text and bad.name in text
+    again = sweep.run_sweep([done_before, todo], tmp_path, report=lines.append,
+                            executor="submitit-local")
+    assert again["skipped"] == [done_before, todo] and not again["finished"]

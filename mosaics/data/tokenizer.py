@@ -52,31 +52,49 @@ def train_bpe_tokenizer(
     return fast
 
 
-def load_tokenizer(name_or_path: str | os.PathLike):
-    """Load a tokenizer with ``AutoTokenizer`` from a local folder or the local HF cache.
+def _looks_like_path(name: str) -> bool:
+    """A file-system path rather than a hub id (``gpt2``, ``org/name``)."""
+    return name.startswith((".", "~", os.sep)) or name.count("/") > 1 or os.sep != "/" and \
+        os.sep in name
 
-    Never touches the network (``local_files_only=True``). A tokenizer without an eos token
-    gets none added: callers need ``tokenizer.eos_token_id`` and fail clearly when it is None.
+
+def load_tokenizer(name_or_path: str | os.PathLike):
+    """Load a tokenizer with ``AutoTokenizer``: a local folder, or a hub id (``gpt2``), which
+    comes from the local HF cache or is downloaded (never with ``HF_HUB_OFFLINE=1``).
+
+    Offline without the files, the error names both ways out: a local folder holding the
+    tokenizer, or ``tokenizer=null`` (a byte-level BPE trained on the corpus). A tokenizer
+    without an eos token gets none added: callers need ``tokenizer.eos_token_id``.
     """
     from transformers import AutoTokenizer
 
     name = str(name_or_path)
     path = Path(name).expanduser()
     fix = ("Pass a folder holding tokenizer.json (e.g. a saved model or one written by "
-           "train_bpe_tokenizer), or a hub id already in the local HF cache; leave it unset to "
+           "train_bpe_tokenizer), or a hub id such as gpt2; leave it unset (null) to "
            "train a byte-level BPE on the corpus.")
     if path.is_dir() and not any(
         (path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")
     ):
         raise DataError(f"tokenizer folder {path} has no tokenizer files (tokenizer.json, "
                         f"tokenizer_config.json or vocab.json). {fix}")
+    if not path.exists() and _looks_like_path(name):
+        raise DataError(f"tokenizer folder {path} does not exist. {fix}")
     try:
-        tok = AutoTokenizer.from_pretrained(
-            str(path) if path.exists() else name, local_files_only=True
-        )
+        if path.exists():
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        else:  # a hub id: the local cache, else a download unless HF_HUB_OFFLINE=1
+            tok = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as e:
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"cannot load tokenizer {name!r} locally ({why}). {fix}") from None
+        if path.exists():
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DataError(f"cannot load tokenizer {name!r} locally ({why}). {fix}") from None
+        raise DataError(
+            f"cannot get tokenizer {name!r} from the Hugging Face hub (offline or unreachable, "
+            f"and not in the local cache): set tokenizer= to a local folder with its files "
+            f"(tokenizer.json; save one with AutoTokenizer.from_pretrained({name!r})"
+            f".save_pretrained(DIR) where the hub is reachable), or tokenizer=null to train a "
+            f"byte-level BPE on the corpus offline.") from None
     if tok.eos_token_id is None:
         raise DataError(
             f"tokenizer {name!r} has no eos token; documents are separated by eos in the token "

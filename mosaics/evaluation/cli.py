@@ -1,10 +1,23 @@
-"""Argument helpers shared by the evaluation entry points under ``eval/``."""
+"""Every evaluation entry point: ``main(["regbench" | "extrapolation" | "perplexity" | "sweep" |
+"compare-loss", ...])``. The scripts under ``eval/`` call it.
+
+``regbench``, ``extrapolation`` and ``sweep`` build jobs for one engine
+(:mod:`mosaics.evaluation.sweep`): each job runs in its own process (locally, or as a SLURM
+array task with ``--executor slurm``), writes ``<out>/results/<name>.json``, and is skipped
+when that file exists; the tables of everything under ``--out`` go to ``<out>/summary.md``.
+``perplexity`` and ``compare-loss`` score and compare saved language models.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
+from pathlib import Path
+from typing import Any
+
+# --- argument types and checks ---------------------------------------------------------------
 
 
 def kernel_kwargs_arg(text: str) -> dict:
@@ -28,14 +41,24 @@ def positive_int(text: str) -> int:
     return value
 
 
-def check_kernels(parser: argparse.ArgumentParser, kernels: list[str]) -> None:
-    """Exit with the list of registered kernels if any name is unknown."""
-    from mosaics import available_kernels
+def setting_arg(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` with VALUE read as YAML (numbers, lists, null)."""
+    import yaml
 
-    unknown = [k for k in kernels if k not in available_kernels()]
-    if unknown:
-        parser.error(f"unknown kernel(s) {', '.join(unknown)}; registered kernels: "
-                     f"{', '.join(available_kernels())}")
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.strip().replace("-", "_"), yaml.safe_load(value)
+    except yaml.YAMLError as err:
+        raise argparse.ArgumentTypeError(f"{text}: {err}") from None
+
+
+def labelled_path(arg: str) -> tuple[str, Path]:
+    label, sep, path = arg.partition("=")
+    if not sep or not label or not path:
+        raise argparse.ArgumentTypeError(f"expected LABEL=path/to/perplexity.json, got {arg!r}")
+    return label, Path(path)
 
 
 def check_model_dirs(parser: argparse.ArgumentParser, dirs: list[str] | None) -> None:
@@ -55,3 +78,377 @@ def offline() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+# --- the engine's options, shared by regbench / extrapolation / sweep -------------------------
+
+def add_engine_args(p: argparse.ArgumentParser, out: str) -> None:
+    g = p.add_argument_group("running the jobs")
+    g.add_argument("--out", default=out, help=f"results folder (default {out}); jobs with a "
+                   "result file there are skipped, so rerunning resumes")
+    g.add_argument("--device", default=None,
+                   help="cpu or cuda (default: cuda if present; on SLURM cuda when "
+                        "--gpus-per-job > 0)")
+    g.add_argument("--jobs", type=positive_int, default=1,
+                   help="local runner: processes at a time (they share the GPU)")
+    g.add_argument("--threads", type=positive_int, default=None,
+                   help="local runner: CPU threads per job (default: the cores split between "
+                        "--jobs)")
+    g.add_argument("--save-models", action="store_true",
+                   help="save_pretrained each trained model under <out>/jobs/<name>/models")
+    g.add_argument("--dry-run", action="store_true", help="list the jobs and exit")
+    g.add_argument("--no-progress", action="store_true",
+                   help="accepted for older command lines: jobs never draw progress bars "
+                        "(their output goes to <out>/logs/<name>.log)")
+    s = p.add_argument_group("scheduler (--executor slurm; values also from a job file's "
+                             "'resources:')")
+    s.add_argument("--executor", default="local", choices=["local", "slurm", "submitit-local"],
+                   help="local: child processes here; slurm: one job array through submitit; "
+                        "submitit-local: submitit's local processes (no scheduler)")
+    s.add_argument("--partition", default=None)
+    s.add_argument("--gpus-per-job", type=int, default=None)
+    s.add_argument("--cpus-per-job", type=positive_int, default=None,
+                   help="CPUs per array task (also the job's thread count)")
+    s.add_argument("--time-min", type=positive_int, default=None,
+                   help="time limit of each task in minutes")
+    s.add_argument("--mem-gb", type=float, default=None)
+    s.add_argument("--array-parallelism", type=positive_int, default=None,
+                   help="array tasks running at once")
+    s.add_argument("--slurm", type=setting_arg, action="append", default=[],
+                   metavar="KEY=VALUE", help="further #SBATCH option, e.g. --slurm account=me "
+                   "--slurm qos=high")
+
+
+def run_engine(p: argparse.ArgumentParser, args: argparse.Namespace, jobs: list,
+               notes: list[str], file_resources: dict | None = None) -> int:
+    """List (``--dry-run``) or run ``jobs``, then print the merged tables; exit status 1 when
+    a job failed."""
+    from . import sweep
+    from .cluster import Resources
+
+    out = Path(args.out)
+    for note in notes:
+        print(f"note: {note}")
+    if args.dry_run:
+        for job in jobs:
+            print(f"{'done' if sweep.result_path(out, job).exists() else 'todo'}  {job.name}")
+        return 0
+    try:
+        resources = Resources.from_mapping(file_resources, "job file 'resources'").merged(
+            partition=args.partition, gpus_per_job=args.gpus_per_job,
+            cpus_per_job=args.cpus_per_job, time_min=args.time_min, mem_gb=args.mem_gb,
+            array_parallelism=args.array_parallelism, slurm=dict(args.slurm))
+    except (ValueError, TypeError) as err:
+        p.error(str(err))
+    device = args.device
+    if device is None:
+        device = (("cuda" if resources.gpus_per_job else "cpu") if args.executor != "local"
+                  else default_device())
+    try:
+        done = sweep.run_sweep(jobs, out, args.jobs, device, threads=args.threads,
+                               executor=args.executor, resources=resources,
+                               save_model=args.save_models)
+    except (ImportError, RuntimeError) as err:
+        p.error(str(err))
+    print(sweep.summarize(out), end="")
+    print(f"summary: {out / 'summary.md'}")
+    if done["failed"]:
+        print(f"{len(done['failed'])} job(s) failed: "
+              + ", ".join(j.name for j in done["failed"]), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _merge(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from . import sweep
+
+    try:
+        copied = sweep.merge_results(args.merge, args.out)
+    except ValueError as err:
+        p.error(str(err))
+    print(f"merged {copied} result file(s) into {args.out}")
+    print(sweep.summarize(args.out), end="")
+    print(f"summary: {Path(args.out) / 'summary.md'}")
+    return 0
+
+
+def _models(archs: list[str], kernels: list[str]) -> list[str]:
+    """``--arch`` x ``--kernel`` as sweep model names (``mosaics/<kernel>``, ``gpt2``, ...)."""
+    from .models import is_mosaics
+
+    models: list[str] = []
+    for arch in archs:
+        models += [f"{arch}/{k}" for k in kernels] if is_mosaics(arch) else [arch]
+    return models
+
+
+def _overrides(**values: Any) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _budget(minutes: float | None) -> float | None:
+    return None if minutes is None else 60 * minutes
+
+
+# --- regbench ----------------------------------------------------------------------------------
+
+def _regbench_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arch", nargs="+", default=["mosaics"],
+                   choices=["mosaics", "mosaics-v2", "gpt2", "llama"])
+    p.add_argument("--kernel", nargs="+", default=["gaussian"], help="Memory Mosaics kernels")
+    p.add_argument("--kernel-kwargs", type=kernel_kwargs_arg, default=None)
+    p.add_argument("--sizes", nargs="+", type=positive_int, default=[1000],
+                   help="training automata (paper: 100 500 1000 2500 5000 10000 20000 40000)")
+    p.add_argument("--preset", choices=["reference", "cpu"], default="reference")
+    p.add_argument("--seed", nargs="+", type=int, default=[0], help="one job per seed")
+    for flag in ("--epochs", "--max-steps", "--batch-size", "--eval-every", "--n-val",
+                 "--n-test", "--n-layer", "--n-embd", "--n-head", "--pmem-size"):
+        p.add_argument(flag, type=positive_int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--time-budget-min", type=float, help="stop each training run after this")
+    p.add_argument("--model", nargs="+", metavar="DIR",
+                   help="score saved model directories instead of training")
+    p.add_argument("--merge", nargs="+", metavar="OUT_DIR",
+                   help="copy the result files of other --out folders into --out and print "
+                        "the merged tables (runs nothing)")
+    add_engine_args(p, "runs/regbench")
+
+
+def regbench_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.merge:
+        return _merge(p, args)
+    check_model_dirs(p, args.model)
+    from . import sweep
+
+    overrides = _overrides(
+        epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size, lr=args.lr,
+        eval_every=args.eval_every, n_val=args.n_val, n_test=args.n_test, n_layer=args.n_layer,
+        n_embd=args.n_embd, n_head=args.n_head, pmem_size=args.pmem_size,
+        time_budget_s=_budget(args.time_budget_min))
+    try:
+        if args.model:
+            jobs = [sweep.make_job("regbench", "saved", seed, None, args.preset, overrides,
+                                   model_dir=d) for d in args.model for seed in args.seed]
+            notes: list[str] = []
+        else:
+            jobs, notes = sweep.expand_jobs(["regbench"], _models(args.arch, args.kernel),
+                                            args.seed, args.sizes, args.preset, overrides,
+                                            args.kernel_kwargs)
+    except ValueError as err:
+        p.error(str(err))
+    return run_engine(p, args, jobs, notes)
+
+
+# --- extrapolation -----------------------------------------------------------------------------
+
+def _extrapolation_parser(p: argparse.ArgumentParser) -> None:
+    from .experiments import EXTRAPOLATION_PRESETS
+
+    p.add_argument("--task", nargs="+", choices=["sort", "mqmtar"], required=True)
+    p.add_argument("--arch", nargs="+", default=["mosaics"],
+                   choices=["mosaics", "mosaics-v2", "llama"],
+                   help="llama: the rotary-position transformer baseline of the same size")
+    p.add_argument("--kernel", nargs="+", default=["gaussian"], help="Memory Mosaics kernels")
+    p.add_argument("--kernel-kwargs", type=kernel_kwargs_arg, default=None)
+    p.add_argument("--preset", choices=list(EXTRAPOLATION_PRESETS), default="reference")
+    p.add_argument("--seed", nargs="+", type=int, default=[0], help="one job per seed")
+    for flag in ("--steps", "--batch-size", "--eval-every", "--n-samples", "--n-val",
+                 "--n-layer", "--n-embd", "--n-head"):
+        p.add_argument(flag, type=positive_int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--warmup-frac", type=float, help="warm-up steps as a fraction of --steps")
+    p.add_argument("--multipliers", nargs="+", type=positive_int,
+                   help="test lengths = 64 x these (reference: 1 2 4 8 16 32 64)")
+    p.add_argument("--time-budget-min", type=float)
+    p.add_argument("--model", nargs="+", metavar="DIR",
+                   help="score saved model directories instead of training")
+    add_engine_args(p, "runs/extrapolation")
+
+
+def extrapolation_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    check_model_dirs(p, args.model)
+    from . import sweep
+
+    overrides = _overrides(
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_frac=args.warmup_frac,
+        eval_every=args.eval_every, n_samples=args.n_samples, n_val=args.n_val,
+        n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
+        multipliers=list(args.multipliers) if args.multipliers else None,
+        time_budget_s=_budget(args.time_budget_min))
+    try:
+        if args.model:
+            jobs = [sweep.make_job(task, "saved", seed, None, args.preset, overrides,
+                                   model_dir=d)
+                    for task in args.task for d in args.model for seed in args.seed]
+            notes: list[str] = []
+        else:
+            jobs, notes = sweep.expand_jobs(args.task, _models(args.arch, args.kernel),
+                                            args.seed, (), args.preset, overrides,
+                                            args.kernel_kwargs)
+    except ValueError as err:
+        p.error(str(err))
+    return run_engine(p, args, jobs, notes)
+
+
+# --- sweep -------------------------------------------------------------------------------------
+
+def _sweep_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--task", nargs="+", choices=["regbench", "sort", "mqmtar"])
+    p.add_argument("--model", nargs="+", default=["mosaics/gaussian"],
+                   help="mosaics/<kernel> (or just <kernel>), mosaics-v2/<kernel>, gpt2 "
+                        "(RegBench only), llama")
+    p.add_argument("--seed", nargs="+", type=int, default=[0])
+    p.add_argument("--size", nargs="+", type=positive_int, default=[1000],
+                   help="RegBench training automata (paper: 100 500 1000 2500 5000 10000 "
+                        "20000 40000)")
+    p.add_argument("--preset", default="reference",
+                   help="protocol preset of each task (reference, cpu, ...)")
+    p.add_argument("--set", dest="settings", type=setting_arg, action="append", default=[],
+                   metavar="KEY=VALUE", help="protocol override, e.g. --set steps=2000 "
+                   "--set multipliers=[1,2]; applied to the tasks whose protocol has KEY")
+    p.add_argument("--kernel-kwargs", type=kernel_kwargs_arg, default=None)
+    p.add_argument("--file", help="YAML/JSON job file (instead of --task ...)")
+    p.add_argument("--suite", choices=["paper"], help="paper: every job of the sparse-kernel "
+                   "paper's RegBench and extrapolation tables (with --preset, --set, --seed)")
+    p.add_argument("--summary-only", action="store_true",
+                   help="merge the results already under --out, run nothing")
+    add_engine_args(p, "runs/sweep")
+
+
+def sweep_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from . import sweep
+
+    if args.summary_only:
+        print(sweep.summarize(args.out), end="")
+        return 0
+    if sum(map(bool, (args.file, args.task, args.suite))) != 1:
+        p.error("give one of --task ..., --file JOBS.yaml or --suite paper")
+    resources: dict = {}
+    try:
+        if args.suite:
+            jobs, notes = sweep.paper_jobs(args.seed, args.preset, dict(args.settings)), []
+        elif args.file:
+            jobs, notes = sweep.load_job_file(args.file)
+            resources = sweep.job_file_resources(args.file)
+        else:
+            jobs, notes = sweep.expand_jobs(args.task, args.model, args.seed, args.size,
+                                            args.preset, dict(args.settings), args.kernel_kwargs)
+    except (ValueError, TypeError, KeyError) as err:
+        p.error(str(err))
+    return run_engine(p, args, jobs, notes, resources)
+
+
+# --- perplexity --------------------------------------------------------------------------------
+
+def _perplexity_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="saved model directory (config.json + weights + tokenizer)")
+    p.add_argument("--data", required=True, help="evaluation text source or .npy token stream")
+    p.add_argument("--split", default="validation")
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--block-size", type=positive_int,
+                   help="window length (default: the model's block_size / n_positions)")
+    p.add_argument("--max-windows", type=positive_int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None, help="output folder (default: the model directory)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def perplexity_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    check_model_dirs(p, [args.model])
+    data = Path(args.data).expanduser()
+    if data.suffix in (".npy", ".txt", ".jsonl", ".json") and not data.exists():
+        p.error(f"--data {args.data}: no such file")
+
+    from . import experiments, lm, models, plots
+
+    device = args.device or default_device()
+    model = models.load_model(args.model, device)
+    block = (args.block_size or getattr(model.config, "block_size", None)
+             or lm.context_length(model))
+    limit = lm.context_length(model)
+    if limit is not None and block > limit:
+        p.error(f"--block-size {block} exceeds this model's {limit} learned positions")
+    try:
+        tokens = lm.load_tokens(args.data, args.model, args.split, args.text_column)
+        wins = lm.windows(tokens, block, args.max_windows, args.seed)
+        result = lm.evaluate_windows(model, wins, args.batch_size, device,
+                                     not args.no_progress)
+    except (ValueError, OSError) as err:
+        p.error(str(err))
+    result.update(model=str(args.model), data=str(args.data), split=args.split)
+    out = Path(args.out or args.model)
+    experiments.write_json(out / "perplexity.json", result)
+    plot = plots.plot_loss_by_position(result["loss_by_position"], out / "loss_by_position.png",
+                                       f"{Path(args.model).name}: loss by position")
+    print(f"windows {result['windows']} x {block} tokens ({result['tokens_scored']} scored)")
+    print(f"loss {result['loss']:.4f}  perplexity {result['perplexity']:.3f}")
+    print("mean loss over the first 10% / middle 10% / last 10% of positions: "
+          + " / ".join(f"{x:.3f}" for x in lm.position_tenths(result["loss_by_position"])))
+    print(f"results: {out / 'perplexity.json'}\nplot: {plot}")
+    return 0
+
+
+# --- compare-loss ------------------------------------------------------------------------------
+
+def _compare_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", type=labelled_path, help="LABEL=path/to/perplexity.json")
+    p.add_argument("--out", type=Path, help="PNG of the loss by position (optional)")
+    p.add_argument("--title", default="loss by position")
+
+
+def compare_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from . import lm
+    from .plots import plot_loss_by_position
+
+    results = {}
+    for label, path in args.runs:
+        if not path.is_file():
+            p.error(f"{path}: no such file; run the perplexity command first")
+        results[label] = json.loads(path.read_text())
+    print(lm.loss_table(results))
+    if args.out:
+        plot_loss_by_position({k: r["loss_by_position"] for k, r in results.items()}, args.out,
+                              args.title)
+        print(f"plot: {args.out}")
+    return 0
+
+
+COMMANDS = {
+    "regbench": (_regbench_parser, regbench_command,
+                 "RegBench: train and score models (accuracy / TVD per training size, n-gram "
+                 "and oracle rows), one job per (model, size, seed)"),
+    "extrapolation": (_extrapolation_parser, extrapolation_command,
+                      "length extrapolation (Sort, MQMTAR): train on lengths 32..64, exact "
+                      "match at 64 x multipliers, one job per (task, model, seed)"),
+    "perplexity": (_perplexity_parser, perplexity_command,
+                   "validation loss, perplexity and loss by position of a saved causal LM"),
+    "sweep": (_sweep_parser, sweep_command,
+              "any grid of task jobs (--task x --model x --seed x --size), a job file, or the "
+              "paper's suite; --summary-only merges what is under --out"),
+    "compare-loss": (_compare_parser, compare_command,
+                     "table and figure of the loss by position of several perplexity.json"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mosaics eval", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (add_args, run, text) in COMMANDS.items():
+        p = sub.add_parser(name, help=text, description=text)
+        add_args(p)
+        p.set_defaults(run=run, parser=p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one evaluation command; returns the exit status (argument errors exit with 2)."""
+    args = build_parser().parse_args(argv)
+    offline()
+    return int(args.run(args.parser, args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

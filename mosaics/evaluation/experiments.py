@@ -1,4 +1,6 @@
-"""End-to-end experiments behind ``eval/regbench.py`` and ``eval/extrapolation.py``.
+"""One task experiment in this process: train (or load) one model, score it (RegBench or
+length extrapolation). The sweep engine (:mod:`mosaics.evaluation.sweep`) runs each job
+through these.
 
 Presets (``reference`` follows the papers' protocol; ``cpu`` is a short budget that
 finishes on a laptop-class CPU; see docs/evaluation.md for the exact differences).
@@ -182,102 +184,61 @@ def _slug(label: str) -> str:
     return label.replace("/", "-")
 
 
-def run_regbench(archs: list[str], kernels: list[str], sizes: list[int], proto: RegBenchProtocol,
+def run_regbench(arch: str, kernel: str | None, size: int | None, proto: RegBenchProtocol,
                  seed: int = 0, kernel_kwargs: dict | None = None, device: str = "cpu",
-                 out_dir: str | Path | None = None, save_models: bool = False,
-                 model_dirs: list[str] | None = None, progress: bool = True) -> dict[str, Any]:
-    """Train (or load) and score models on RegBench; returns the JSON-ready results."""
-    data = regbench.make_splits(0 if model_dirs else max(sizes), proto.n_val, proto.n_test, seed)
+                 out_dir: str | Path | None = None, save_model: bool = False,
+                 model_dir: str | None = None, progress: bool = True) -> dict[str, Any]:
+    """Train one model (``arch``, ``kernel``) on ``size`` training automata, or load the saved
+    ``model_dir``, and score it on the test automata; returns the JSON-ready results
+    ``{protocol, seed, data_fingerprint, test_fingerprint, baselines, runs: [one run]}``."""
+    data = regbench.make_splits(0 if model_dir else size, proto.n_val, proto.n_test, seed)
     results: dict[str, Any] = {"protocol": asdict(proto), "seed": seed,
                                "data_fingerprint": data.fingerprint(),
                                "test_fingerprint": heldout_fingerprint(data),
                                "baselines": regbench.baseline_scores(data.test), "runs": []}
-    if model_dirs:
-        for path in model_dirs:
-            model = load_model(path, device)
-            _check_vocab(model, regbench.VOCAB_SIZE, path, "RegBench")
-            score = regbench.evaluate_model(model, data.test, proto.batch_size, device, progress)
-            results["runs"].append({"label": str(path), "model_dir": str(path), "size": None,
-                                    "params": count_parameters(model), **score})
+    if model_dir:
+        model = load_model(model_dir, device)
+        _check_vocab(model, regbench.VOCAB_SIZE, model_dir, "RegBench")
+        score = regbench.evaluate_model(model, data.test, proto.batch_size, device, progress)
+        results["runs"].append({"label": str(model_dir), "model_dir": str(model_dir),
+                                "size": None, "params": count_parameters(model), **score})
         return results
+    if size is None:
+        raise ValueError("RegBench training needs a size (number of training automata)")
     val_batches = [regbench.collate(data.val[i: i + proto.batch_size])
                    for i in range(0, len(data.val), proto.batch_size)]
-    plans = [(a, k) for a in archs for k in (kernels if is_mosaics(a) else [None])]
-    for size in sizes:
-        train_set = data.train[:size]
-        steps_per_epoch = math.ceil(size / proto.batch_size)
-        total = proto.epochs * steps_per_epoch
-        if proto.max_steps:
-            total = min(total, proto.max_steps)
-        eval_every = proto.eval_every or max(1, int(steps_per_epoch / proto.evals_per_epoch))
-        for arch, kernel in plans:
-            label = _label(arch, kernel)
-            cfg = model_config(arch, regbench.VOCAB_SIZE, proto.n_layer, proto.n_embd,
-                               proto.n_head, proto.pmem_size, kernel or "gaussian",
-                               kernel_kwargs, proto.dropout, proto.n_positions)
-            torch.manual_seed(seed)
-            model = causal_lm(cfg)
-            batches = EpochBatches(train_set, proto.batch_size, regbench.collate, seed)
-            run_dir = (None if out_dir is None
-                       else Path(out_dir) / "runs" / f"{_slug(label)}-n{size}")
-            info = fit_task_model(model, batches, val_batches, total, proto.lr,
-                                  proto.weight_decay, proto.warmup_frac, eval_every, seed, device,
-                                  proto.time_budget_s, run_dir, progress, f"{label} n={size}")
-            t0 = time.time()
-            score = regbench.evaluate_model(model, data.test, proto.batch_size, device, progress)
-            run = {"label": label, "arch": arch, "kernel": kernel, "size": size,
-                   "params": count_parameters(model), **score, "eval_seconds": time.time() - t0,
-                   "train": train_summary(info)}
-            if save_models and out_dir is not None:
-                path = Path(out_dir) / "models" / f"{_slug(label)}-n{size}"
-                model.save_pretrained(path)
-                run["model_dir"] = str(path)
-            results["runs"].append(run)
-            if out_dir is not None:  # keep partial results of long sweeps
-                write_json(Path(out_dir) / "results.json", results)
+    steps_per_epoch = math.ceil(size / proto.batch_size)
+    total = proto.epochs * steps_per_epoch
+    if proto.max_steps:
+        total = min(total, proto.max_steps)
+    eval_every = proto.eval_every or max(1, int(steps_per_epoch / proto.evals_per_epoch))
+    label = _label(arch, kernel)
+    cfg = model_config(arch, regbench.VOCAB_SIZE, proto.n_layer, proto.n_embd, proto.n_head,
+                       proto.pmem_size, kernel or "gaussian", kernel_kwargs, proto.dropout,
+                       proto.n_positions)
+    torch.manual_seed(seed)
+    model = causal_lm(cfg)
+    batches = EpochBatches(data.train[:size], proto.batch_size, regbench.collate, seed)
+    run_dir = None if out_dir is None else Path(out_dir) / "runs" / f"{_slug(label)}-n{size}"
+    info = fit_task_model(model, batches, val_batches, total, proto.lr, proto.weight_decay,
+                          proto.warmup_frac, eval_every, seed, device, proto.time_budget_s,
+                          run_dir, progress, f"{label} n={size}")
+    t0 = time.time()
+    score = regbench.evaluate_model(model, data.test, proto.batch_size, device, progress)
+    run = {"label": label, "arch": arch, "kernel": kernel, "size": size,
+           "params": count_parameters(model), **score, "eval_seconds": time.time() - t0,
+           "train": train_summary(info)}
+    if save_model and out_dir is not None:
+        path = Path(out_dir) / "models" / f"{_slug(label)}-n{size}"
+        model.save_pretrained(path)
+        run["model_dir"] = str(path)
+    results["runs"].append(run)
     return results
 
 
 def heldout_fingerprint(data: regbench.RegBenchData) -> str:
     """Fingerprint of the test split alone (equal for every training size)."""
     return regbench.RegBenchData([], [], data.test).fingerprint()
-
-
-def merge_regbench(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Combine results of separate runs scored on the same test set (same seed and n_test)."""
-    if not parts:
-        raise ValueError("nothing to merge")
-    first = parts[0]
-    for other in parts[1:]:
-        same = (other.get("test_fingerprint") == first.get("test_fingerprint")
-                and other["baselines"] == first["baselines"])
-        if not same:
-            raise ValueError("these results were scored on different test sets (seed or --n-test "
-                             "differ); only runs on the same test set can be merged")
-    merged = dict(first)
-    merged["runs"] = [r for part in parts for r in part["runs"]]
-    merged["merged_from"] = len(parts)
-    return merged
-
-
-def regbench_table(results: dict[str, Any]) -> str:
-    """Plain-text table: one row per model (and baseline), one column per training size."""
-    runs = results["runs"]
-    sizes = sorted({r["size"] for r in runs if r["size"] is not None})
-    labels = list(dict.fromkeys(r["label"] for r in runs))
-    head = f"{'model':<28}{'params':>9}" + "".join(f"{f'n={s}':>18}" for s in sizes or ["-"])
-    lines = ["accuracy / TVD on the test automata (scored: all T-1 outputs per example)", head]
-    for label in labels:
-        mine = [r for r in runs if r["label"] == label]
-        cells = []
-        for s in sizes or [None]:
-            r = next((r for r in mine if r["size"] == s), None)
-            cells.append(f"{r['accuracy']:.3f} / {r['tvd']:.3f}" if r else "-")
-        lines.append(f"{label:<28}{mine[0]['params']:>9}" + "".join(f"{c:>18}" for c in cells))
-    for name, r in results["baselines"].items():
-        cell = f"{r['accuracy']:.3f} / {r['tvd']:.3f}"
-        lines.append(f"{name:<28}{'-':>9}" + "".join(f"{cell:>18}" for _ in sizes or [None]))
-    return "\n".join(lines)
 
 
 class TaskExactMatch(Hook):
@@ -332,13 +293,13 @@ def _run_name(task: str, arch: str, kernel: str | None) -> str:
     return f"{task}-{kernel if arch == 'mosaics' else arch}"
 
 
-def run_extrapolation(task: str, kernels: list[str], proto: ExtrapolationProtocol, seed: int = 0,
-                      kernel_kwargs: dict | None = None, device: str = "cpu",
-                      out_dir: str | Path | None = None, save_models: bool = False,
-                      model_dirs: list[str] | None = None, progress: bool = True,
-                      archs: Sequence[str] = ("mosaics",)) -> dict[str, Any]:
-    """Train (or load) one model per kernel (arch ``mosaics``) and one per other arch (``llama``)
-    on lengths U{min..max_len}; exact match and token accuracy per test length."""
+def run_extrapolation(task: str, arch: str, kernel: str | None, proto: ExtrapolationProtocol,
+                      seed: int = 0, kernel_kwargs: dict | None = None, device: str = "cpu",
+                      out_dir: str | Path | None = None, save_model: bool = False,
+                      model_dir: str | None = None, progress: bool = True) -> dict[str, Any]:
+    """Train one model (``arch``, ``kernel``) on lengths U{min..max_len}, or load the saved
+    ``model_dir``; exact match and token accuracy per test length. Returns the JSON-ready
+    results ``{task, protocol, seed, lengths, runs: [one run]}``."""
     from tqdm.auto import tqdm
 
     if task not in tasks.TASKS:
@@ -360,56 +321,36 @@ def run_extrapolation(task: str, kernels: list[str], proto: ExtrapolationProtoco
                 out[key][n] = value
         return out
 
-    if model_dirs:
-        for path in model_dirs:
-            model = load_model(path, device)
-            _check_vocab(model, spec.vocab_size, path, task)
-            results["runs"].append({"label": str(path), "model_dir": str(path),
-                                    "params": count_parameters(model),
-                                    **evaluate(model, str(path))})
+    if model_dir:
+        model = load_model(model_dir, device)
+        _check_vocab(model, spec.vocab_size, model_dir, task)
+        results["runs"].append({"label": str(model_dir), "model_dir": str(model_dir),
+                                "params": count_parameters(model),
+                                **evaluate(model, str(model_dir))})
         return results
     val = tasks.fixed_set(task, proto.n_val, (proto.min_len, proto.max_len), seed + 2000)
     val_batches = [tasks.collate(val[i: i + proto.batch_size], spec.pad)
                    for i in range(0, len(val), proto.batch_size)]
     for b in val_batches:
         b.pop("score_mask")
-    plans = [(a, k) for a in archs for k in (kernels if is_mosaics(a) else [None])]
-    for arch, kernel in plans:
-        label = _label(arch, kernel)
-        torch.manual_seed(seed)
-        model = extrapolation_model(task, arch, kernel, proto, kernel_kwargs, longest)
-        batches = tasks.RandomTaskBatches(task, proto.batch_size, proto.min_len, proto.max_len,
-                                          seed)
-        name = _run_name(task, arch, kernel)
-        run_dir = None if out_dir is None else Path(out_dir) / "runs" / name
-        watch = TaskExactMatch(task, val, proto.batch_size, device)
-        info = fit_task_model(model, batches, val_batches, proto.steps, proto.lr,
-                              proto.weight_decay, proto.warmup_frac, proto.eval_every, seed,
-                              device, proto.time_budget_s, run_dir, progress,
-                              f"{label} {task}", hooks=[watch])
-        run = {"label": label, "arch": arch, "kernel": kernel, "params": count_parameters(model),
-               **evaluate(model, label), "train": train_summary(info)}
-        if save_models and out_dir is not None:
-            path = Path(out_dir) / "models" / name
-            model.save_pretrained(path)
-            run["model_dir"] = str(path)
-        results["runs"].append(run)
-        if out_dir is not None:
-            write_json(Path(out_dir) / "results.json", results)
+    label = _label(arch, kernel)
+    torch.manual_seed(seed)
+    model = extrapolation_model(task, arch, kernel, proto, kernel_kwargs, longest)
+    batches = tasks.RandomTaskBatches(task, proto.batch_size, proto.min_len, proto.max_len, seed)
+    name = _run_name(task, arch, kernel)
+    run_dir = None if out_dir is None else Path(out_dir) / "runs" / name
+    watch = TaskExactMatch(task, val, proto.batch_size, device)
+    info = fit_task_model(model, batches, val_batches, proto.steps, proto.lr, proto.weight_decay,
+                          proto.warmup_frac, proto.eval_every, seed, device, proto.time_budget_s,
+                          run_dir, progress, f"{label} {task}", hooks=[watch])
+    run = {"label": label, "arch": arch, "kernel": kernel, "params": count_parameters(model),
+           **evaluate(model, label), "train": train_summary(info)}
+    if save_model and out_dir is not None:
+        path = Path(out_dir) / "models" / name
+        model.save_pretrained(path)
+        run["model_dir"] = str(path)
+    results["runs"].append(run)
     return results
-
-
-def extrapolation_table(results: dict[str, Any]) -> str:
-    lengths = results["lengths"]
-    head = f"{'model':<28}" + "".join(f"{f'len {n}':>10}" for n in lengths)
-    lines = []
-    for key in ("exact_match", "token_accuracy"):
-        lines += [f"{results['task']}: {key.replace('_', ' ')} (teacher-forced argmax) by test "
-                  "length", head]
-        for r in results["runs"]:
-            em = {int(k): v for k, v in r[key].items()}
-            lines.append(f"{r['label']:<28}" + "".join(f"{em[n]:>10.3f}" for n in lengths))
-    return "\n".join(lines)
 
 
 def with_overrides(proto, **overrides: Any):  # noqa: ANN001, ANN201

@@ -8,6 +8,7 @@ is its mean over windows, ``loss`` the mean over all scored tokens, perplexity =
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -113,3 +114,23 @@ def load_tokens(source: str, tokenizer_dir: str | Path, split: str = "validation
 def context_length(model: nn.Module) -> int | None:
     """The longest window a model accepts (GPT-2's position table), or None (no limit)."""
     return getattr(model.config, "n_positions", None)
+
+
+def position_tenths(loss_by_position: Sequence[float]) -> tuple[float, float, float]:
+    """Mean loss over the first, middle and last 10% of window positions."""
+    x = np.asarray(loss_by_position, dtype=float)
+    k = max(1, len(x) // 10)
+    mid = (len(x) - k) // 2
+    return float(x[:k].mean()), float(x[mid:mid + k].mean()), float(x[-k:].mean())
+
+
+def loss_table(results: dict[str, dict]) -> str:
+    """Markdown: window, loss, perplexity and the position tenths of each labelled
+    ``perplexity.json``."""
+    lines = ["| model | window | loss | perplexity | first 10% | middle 10% | last 10% |",
+             "|---|---|---|---|---|---|---|"]
+    for label, r in results.items():
+        first, mid, last = position_tenths(r["loss_by_position"])
+        lines.append(f"| {label} | {r['block_size']} | {r['loss']:.3f} | {r['perplexity']:.2f} "
+                     f"| {first:.3f} | {mid:.3f} | {last:.3f} |")
+    return "\n".join(lines)

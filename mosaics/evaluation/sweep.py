@@ -1,7 +1,10 @@
-"""Many task experiments from one command: expand jobs, run each as its own process, merge.
+"""The experiment engine behind ``mosaics eval regbench | extrapolation | sweep``: expand
+jobs, run each as its own process (here, or as a SLURM array task through
+:mod:`mosaics.evaluation.cluster`), merge the results into one set of tables.
 
-A job is one (task, model, seed, size) under a preset with overrides. Each job runs as a
-separate ``python -m mosaics.evaluation.sweep`` process and writes
+A job is one (task, model, seed, size) under a preset with overrides, or the scoring of a
+saved model. Each job runs as a separate ``python -m mosaics.evaluation.sweep`` process and
+writes
 ``<out>/results/<name>.json`` atomically; a job whose result file exists is skipped, so a
 stopped sweep resumes where it was. A failed job leaves ``<out>/failed/<name>.json`` (exit
 status and the end of its log, ``<out>/logs/<name>.log``) and is retried by the next sweep.
@@ -20,7 +23,7 @@ import sys
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -39,8 +42,8 @@ LOG_TAIL = 4000  # characters of a failed job's log kept in its failure record
 @dataclass(frozen=True)
 class Job:
     """One experiment: ``model`` is ``mosaics/<kernel>``, ``mosaics-v2/<kernel>`` (the v2
-    block), ``gpt2`` or ``llama``; ``size`` is
-    the number of training automata (RegBench only)."""
+    block), ``gpt2``, ``llama``, or ``saved`` (score the saved ``model_dir``, no training);
+    ``size`` is the number of training automata (RegBench training only)."""
 
     task: str
     model: str
@@ -49,6 +52,7 @@ class Job:
     preset: str = "reference"
     overrides: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     kernel_kwargs: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    model_dir: str | None = None
 
     @property
     def arch(self) -> str:
@@ -61,6 +65,8 @@ class Job:
     @property
     def label(self) -> str:
         """The table row: the model, with its kernel arguments if any."""
+        if self.model_dir is not None:
+            return self.model_dir
         extra = ",".join(f"{k}={v}" for k, v in sorted(self.kernel_kwargs.items()))
         return f"{self.model} ({extra})" if extra else self.model
 
@@ -76,6 +82,9 @@ class Job:
     def name(self) -> str:
         """File-name-safe, unique per (task, model, kernel arguments, size, seed, setting)."""
         parts = [self.task, self.model.replace("/", "-")]
+        if self.model_dir is not None:
+            digest = hashlib.sha1(self.model_dir.encode()).hexdigest()[:6]
+            parts.append(f"{Path(self.model_dir).name}-{digest}")
         parts += [f"{k}{v}" for k, v in sorted(self.kernel_kwargs.items())]
         if self.size is not None:
             parts.append(f"n{self.size}")
@@ -122,12 +131,23 @@ def _own_overrides(task: str, overrides: dict[str, Any]) -> dict[str, Any]:
 
 def make_job(task: str, model: str, seed: int = 0, size: int | None = None,
              preset: str = "reference", overrides: dict[str, Any] | None = None,
-             kernel_kwargs: dict[str, Any] | None = None) -> Job:
-    """A checked :class:`Job` (known task, model, kernel, preset and settings)."""
+             kernel_kwargs: dict[str, Any] | None = None, model_dir: str | None = None) -> Job:
+    """A checked :class:`Job` (known task, model, kernel, preset and settings); with
+    ``model_dir`` a job that scores that saved model directory (``model`` is ignored)."""
     from mosaics import available_kernels
 
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    if model_dir is not None:
+        path = Path(model_dir).expanduser().resolve()
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{model_dir}: not a saved model directory (no config.json); pass "
+                             "a folder written by save_pretrained")
+        if preset not in presets(task):
+            raise ValueError(f"unknown {task} preset {preset!r}; choose from "
+                             f"{', '.join(presets(task))}")
+        return Job(task, "saved", int(seed), None, preset,
+                   _own_overrides(task, dict(overrides or {})), {}, str(path))
     model = normalize_model(model)
     kernel = model.split("/", 1)[1] if "/" in model else None
     if kernel is not None and kernel not in available_kernels():
@@ -172,7 +192,8 @@ def _as_list(value: Any) -> list:
 def load_job_file(path: str | Path) -> tuple[list[Job], list[str]]:
     """Jobs from YAML or JSON: a mapping with optional ``defaults`` (preset, overrides,
     kernel_kwargs, seed, size), ``grid`` (lists of task / model / seed / size, expanded as a
-    cartesian product) and ``jobs`` (a list of single jobs); a bare list means ``jobs``."""
+    cartesian product), ``jobs`` (a list of single jobs) and ``resources`` (scheduler
+    requests, :func:`job_file_resources`); a bare list means ``jobs``."""
     import yaml
 
     try:
@@ -202,6 +223,18 @@ def load_job_file(path: str | Path) -> tuple[list[Job], list[str]]:
         job = make_job(**item)
         jobs.setdefault(job.name, job)
     return list(jobs.values()), notes
+
+
+def job_file_resources(path: str | Path) -> dict[str, Any]:
+    """The ``resources:`` mapping of a job file (scheduler requests; empty when absent)."""
+    import yaml
+
+    spec = yaml.safe_load(Path(path).read_text())
+    found = spec.get("resources") if isinstance(spec, dict) else None
+    if found is not None and not isinstance(found, dict):
+        raise ValueError(f"job file {path}: 'resources' must be a mapping, e.g. "
+                         "{gpus_per_job: 1, time_min: 120, partition: gpu}")
+    return dict(found or {})
 
 
 # The sparse-kernel paper's tables (its numbers: paper.py): kernels with their arguments, k of the
@@ -245,21 +278,22 @@ def _job_record(job: Job) -> dict[str, Any]:
     return {**asdict(job), "name": job.name, "label": job.label, "setting": job.setting}
 
 
-def run_job(job: Job, out: Path, device: str) -> dict[str, Any]:
-    """Run one job in this process and write its result file (the child side)."""
+def run_job(job: Job, out: Path, device: str, save_model: bool = False) -> dict[str, Any]:
+    """Run one job in this process and write its result record atomically (the child side):
+    ``{"job": ..., "device": ..., "seconds": wall time, "results": ...}``."""
     from . import experiments
 
     proto = experiments.with_overrides(presets(job.task)[job.preset], **_typed(job.overrides))
     work = out / "jobs" / job.name
     started = time.time()
     if job.task == "regbench":
-        results = experiments.run_regbench([job.arch], [job.kernel or "gaussian"], [job.size],
-                                           proto, job.seed, job.kernel_kwargs, device, work,
-                                           progress=False)
+        results = experiments.run_regbench(job.arch, job.kernel, job.size, proto, job.seed,
+                                           job.kernel_kwargs, device, work, save_model,
+                                           job.model_dir, progress=False)
     else:
-        results = experiments.run_extrapolation(job.task, [job.kernel or "gaussian"], proto,
-                                                job.seed, job.kernel_kwargs, device, work,
-                                                progress=False, archs=[job.arch])
+        results = experiments.run_extrapolation(job.task, job.arch, job.kernel, proto, job.seed,
+                                                job.kernel_kwargs, device, work, save_model,
+                                                job.model_dir, progress=False)
     record = {"job": _job_record(job), "device": device, "seconds": time.time() - started,
               "results": results}
     experiments.write_json(result_path(out, job), record)
@@ -271,9 +305,10 @@ def _typed(overrides: dict[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
 
 
-def _child_command(job: Job, out: Path, device: str) -> list[str]:
+def _child_command(job: Job, out: Path, device: str, save_model: bool = False) -> list[str]:
     return [sys.executable, "-m", "mosaics.evaluation.sweep", "--job",
-            json.dumps(asdict(job)), "--out", str(out), "--device", device]
+            json.dumps(asdict(job)), "--out", str(out), "--device", device,
+            *(["--save-model"] if save_model else [])]
 
 
 def _child_env(threads: int) -> dict[str, str]:
@@ -284,18 +319,23 @@ def _child_env(threads: int) -> dict[str, str]:
             "HF_DATASETS_OFFLINE": "1"}
 
 
-def _spawn(job: Job, out: Path, device: str, threads: int) -> tuple[Job, int, float]:
-    """Run a job as a child process, its output in its log; returns (job, status, seconds)."""
+def _spawn(job: Job, out: Path, device: str, threads: int,
+           save_model: bool = False) -> tuple[Job, int, float]:
+    """Run a job as a child process, its output in ``<out>/logs/<name>.log``; returns (job,
+    exit status, wall seconds). The local runner calls it in a thread, a scheduler's worker
+    (:mod:`mosaics.evaluation.cluster`) in its own process."""
+    out = Path(out)
     log = out / "logs" / f"{job.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
     with open(log, "w") as handle:
-        status = subprocess.call(_child_command(job, out, device), stdout=handle,
+        status = subprocess.call(_child_command(job, out, device, save_model), stdout=handle,
                                  stderr=subprocess.STDOUT, env=_child_env(threads))
     return job, status, time.time() - started
 
 
-def _record_failure(out: Path, job: Job, status: int, seconds: float) -> dict[str, Any]:
+def _record_failure(out: Path, job: Job, status: int, seconds: float,
+                    reason: str = "") -> dict[str, Any]:
     from .experiments import write_json
 
     log = out / "logs" / f"{job.name}.log"
@@ -303,38 +343,67 @@ def _record_failure(out: Path, job: Job, status: int, seconds: float) -> dict[st
     if status == 0:  # exited cleanly without a result file
         status = -1
     record = {"job": _job_record(job), "status": status, "seconds": seconds,
-              "log": str(log), "log_tail": tail}
+              "log": str(log), "log_tail": tail + (f"\n{reason}" if reason else "")}
     write_json(failure_path(out, job), record)
     return record
 
 
+Outcome = tuple[Job, int, float, str]  # job, exit status, wall seconds, reason of a failure
+
+
+def _run_local(todo: Sequence[Job], out: Path, device: str, parallel: int, threads: int,
+               save_model: bool) -> Iterator[Outcome]:
+    """The local runner: ``parallel`` child processes at a time, outcomes as they finish."""
+    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        futures = [pool.submit(_spawn, job, out, device, threads, save_model) for job in todo]
+        for future in as_completed(futures):
+            yield (*future.result(), "")
+
+
+EXECUTORS = ("local", "slurm", "submitit-local")
+
+
 def run_sweep(jobs: Sequence[Job], out: str | Path, parallel: int = 1, device: str = "cpu",
-              report: Callable[[str], None] = print,
-              threads: int | None = None) -> dict[str, list[Job]]:
-    """Run the jobs without a result file, ``parallel`` processes at a time with ``threads``
-    CPU threads each (default: the cores split between them); returns the skipped, finished
-    and failed jobs."""
+              report: Callable[[str], None] = print, threads: int | None = None,
+              executor: str = "local", resources: Any = None,
+              save_model: bool = False) -> dict[str, list[Job]]:
+    """Run the jobs without a result file; returns the skipped, finished and failed jobs.
+
+    ``executor="local"``: ``parallel`` processes at a time on this machine with ``threads``
+    CPU threads each (default: the cores split between them). ``"slurm"``: one SLURM job array
+    through submitit with ``resources`` (:class:`mosaics.evaluation.cluster.Resources`), waiting
+    for it; ``"submitit-local"``: the same through submitit's local executor (no scheduler).
+    Either way each job writes its own result file, so skip-done and resume are the same."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"unknown executor {executor!r}; choose from {', '.join(EXECUTORS)}")
     out = Path(out)
-    done = {"skipped": [], "finished": [], "failed": []}
+    done: dict[str, list[Job]] = {"skipped": [], "finished": [], "failed": []}
     todo = []
     for job in jobs:
         (done["skipped"] if result_path(out, job).exists() else todo).append(job)
-    threads = threads or threads_per_job(parallel)
-    report(f"{len(jobs)} jobs: {len(done['skipped'])} already done, {len(todo)} to run, "
-           f"{min(parallel, len(todo) or 1)} at a time with {threads} thread(s) each on {device}")
-    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
-        futures = [pool.submit(_spawn, job, out, device, threads) for job in todo]
-        for i, future in enumerate(as_completed(futures), 1):
-            job, status, seconds = future.result()
-            if status == 0 and result_path(out, job).exists():
-                failure_path(out, job).unlink(missing_ok=True)
-                done["finished"].append(job)
-                report(f"[{i}/{len(todo)}] done   {job.name} ({seconds:.0f} s)")
-            else:
-                _record_failure(out, job, status, seconds)
-                done["failed"].append(job)
-                report(f"[{i}/{len(todo)}] FAILED {job.name} (exit {status}, log "
-                       f"{out / 'logs' / (job.name + '.log')})")
+    if executor == "local":
+        threads = threads or threads_per_job(parallel)
+        report(f"{len(jobs)} jobs: {len(done['skipped'])} already done, {len(todo)} to run, "
+               f"{min(parallel, len(todo) or 1)} at a time with {threads} thread(s) each on "
+               f"{device}")
+        outcomes = _run_local(todo, out, device, parallel, threads, save_model)
+    else:
+        from . import cluster
+
+        report(f"{len(jobs)} jobs: {len(done['skipped'])} already done, {len(todo)} to submit "
+               f"({executor}) on {device}")
+        outcomes = cluster.submit(todo, out, device, resources or cluster.Resources(),
+                                  executor, save_model, report) if todo else iter(())
+    for i, (job, status, seconds, reason) in enumerate(outcomes, 1):
+        if status == 0 and result_path(out, job).exists():
+            failure_path(out, job).unlink(missing_ok=True)
+            done["finished"].append(job)
+            report(f"[{i}/{len(todo)}] done   {job.name} ({seconds:.0f} s)")
+        else:
+            _record_failure(out, job, status, seconds, reason)
+            done["failed"].append(job)
+            report(f"[{i}/{len(todo)}] FAILED {job.name} (exit {status}, log "
+                   f"{out / 'logs' / (job.name + '.log')}){' ' + reason if reason else ''}")
     return done
 
 
@@ -347,6 +416,29 @@ def load_results(out: str | Path) -> list[dict[str, Any]]:
 
 def load_failures(out: str | Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(Path(out).glob("failed/*.json"))]
+
+
+def merge_results(sources: Iterable[str | Path], out: str | Path) -> int:
+    """Copy the result files of other output folders into ``<out>/results`` (one table over
+    all of them); returns how many were copied. Jobs of the same name must agree."""
+    from .experiments import write_json
+
+    copied = 0
+    for source in map(Path, sources):
+        files = sorted(source.glob("results/*.json"))
+        if not files:
+            raise ValueError(f"{source}: no result files (results/*.json); pass folders "
+                             "written by a sweep's --out")
+        for path in files:
+            record = json.loads(path.read_text())
+            target = Path(out) / "results" / path.name
+            if target.exists() and json.loads(target.read_text())["results"] != \
+                    record["results"]:
+                raise ValueError(f"{path} and {target} hold different results for the same "
+                                 "job; keep one of them")
+            write_json(target, record)
+            copied += 1
+    return copied
 
 
 def _cell(values: list[float]) -> str:
@@ -394,8 +486,9 @@ def regbench_markdown(merged: dict[str, Any]) -> str:
     """Accuracy / TVD per model x training size (mean ± std over seeds; the paper's in
     parentheses where it has one), n-gram rows below, wall minutes per model."""
     runs = merged["runs"]
-    sizes = sorted({r["size"] for r in runs})
-    header = ["model"] + [f"n={s} accuracy / TVD" for s in sizes] + ["minutes"]
+    sizes = sorted({r["size"] for r in runs}, key=lambda s: (s is None, s or 0))
+    header = ["model"] + [f"n={s} accuracy / TVD" if s is not None else "saved model "
+                          "accuracy / TVD" for s in sizes] + ["minutes"]
     rows = []
     for label in dict.fromkeys(r["label"] for r in runs):
         cells = []
@@ -403,7 +496,7 @@ def regbench_markdown(merged: dict[str, Any]) -> str:
             mine = [r for r in runs if r["label"] == label and r["size"] == size]
             cell = (f"{_cell([r['accuracy'] for r in mine])} / "
                     f"{_cell([r['tvd'] for r in mine])}" if mine else "-")
-            ref = paper.regbench_cell(label, size)
+            ref = None if size is None else paper.regbench_cell(label, size)
             cells.append(cell if ref is None else f"{cell} ({ref[0]:.3f} / {ref[1]:.3f})")
         rows.append([label, *cells, _minutes(label, merged.get("seconds", {}))])
     for name, values in merged["baseline_values"].items():
@@ -526,17 +619,18 @@ def summarize(out: str | Path, plot: bool = True) -> str:
 
 def _child_main(argv: list[str] | None = None) -> int:
     """Entry of a job's process: ``python -m mosaics.evaluation.sweep --job JSON --out DIR``."""
-    p = argparse.ArgumentParser(description="run one sweep job (started by eval/sweep.py)")
+    p = argparse.ArgumentParser(description="run one sweep job (started by the sweep runner)")
     p.add_argument("--job", required=True, help="the job as JSON")
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--save-model", action="store_true", help="save_pretrained the trained model")
     args = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     job = Job(**json.loads(args.job))
     try:
-        run_job(job, Path(args.out), args.device)
+        run_job(job, Path(args.out), args.device, args.save_model)
     except Exception:  # noqa: BLE001  (the whole traceback goes to the job's log)
         traceback.print_exc()
         return 1

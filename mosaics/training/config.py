@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
+from .metrics import tracker_names
 
 MODEL_TYPES = ("mosaics", "gpt2")
 PRECISIONS = ("auto", "no", "fp16", "bf16")
@@ -85,6 +86,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     progress_bar: bool = True
     tensorboard: bool = True
+    # trackers through accelerate: tensorboard, wandb, mlflow, ... (a list or "a,b"; "none");
+    # metrics.jsonl is always written. tensorboard: false drops TensorBoard from this list.
+    log_with: list[str] | str | None = "tensorboard"
     time_budget_s: float | None = None  # stop early after this many seconds (final eval kept)
 
     # final model and sample
@@ -116,6 +120,7 @@ class TrainConfig:
         if self.global_batch_size is not None and self.global_batch_size <= 0:
             raise ConfigError(f"global_batch_size must be positive or null, got "
                              f"{self.global_batch_size}.")
+        tracker_names(self.log_with, self.tensorboard)  # raises on an unknown tracker
 
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per optimizer step on each process.

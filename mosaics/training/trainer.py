@@ -14,8 +14,9 @@ process.
 
 ``batches`` is a :class:`BatchSource`: ``batch(i)`` is this process's ``i``-th micro-batch, a
 pure function of ``i``, so a resumed run sees exactly the batches the interrupted one would have.
-Metrics go to ``<run_dir>/metrics.jsonl`` (one JSON object per line), TensorBoard
-(``<run_dir>/tb``) and :attr:`Trainer.history`.
+Metrics go to ``<run_dir>/metrics.jsonl`` (one JSON object per line), the trackers of
+``cfg.log_with`` (TensorBoard in ``<run_dir>/tb`` by default; W&B, MLflow; see
+:mod:`mosaics.training.metrics`) and :attr:`Trainer.history`.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from accelerate.utils import (
     DistributedDataParallelKwargs,
     DistributedType,
     InitProcessGroupKwargs,
+    ProjectConfiguration,
     broadcast_object_list,
 )
 from torch import Tensor
@@ -48,7 +50,7 @@ from torch import Tensor
 from ..errors import ConfigError
 from . import checkpoint as ckpt
 from .config import TrainConfig
-from .metrics import MetricsLog
+from .metrics import MetricsLog, check_installed, tracker_names
 from .optim import build_optimizer, build_scheduler
 
 Batch = dict[str, Tensor]
@@ -134,9 +136,15 @@ def make_accelerator(cfg: TrainConfig, device: str | None = None) -> Accelerator
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
     if cfg.ddp_find_unused_parameters:
         handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
+    # trackers of cfg.log_with (started and finished by metrics.MetricsLog)
+    trackers = tracker_names(cfg.log_with, cfg.tensorboard) if cfg.run_dir else []
+    check_installed(trackers)
+    project = ProjectConfiguration(project_dir=cfg.run_dir,
+                                   logging_dir=str(Path(cfg.run_dir) / "tb")) if trackers else None
     accelerator = Accelerator(mixed_precision=resolve_precision(cfg.mixed_precision),
                               gradient_accumulation_steps=cfg.accumulation_steps(world),
-                              kwargs_handlers=handlers, cpu=device == "cpu")
+                              kwargs_handlers=handlers, cpu=device == "cpu",
+                              log_with=trackers or None, project_config=project)
     if world > 1 and accelerator.distributed_type == DistributedType.NO:
         raise ConfigError(f"WORLD_SIZE={world} but accelerate set up no process group, so each "
                           "process would train alone. On CPU set ACCELERATE_USE_CPU=1; see "
@@ -236,7 +244,7 @@ class Trainer:
                 universal))
         self.model.train()
         if self.run_dir is not None:
-            self.metrics = MetricsLog(self.run_dir, self.is_main, self.step, cfg.tensorboard)
+            self.metrics = MetricsLog(self.run_dir, self.is_main, self.step, acc, cfg)
 
     def _choose_checkpoint(self) -> Path | None:
         """The newest intact checkpoint (main decides, every process gets the same answer)."""
