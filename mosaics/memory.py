@@ -360,7 +360,11 @@ class PersistentMemory(nn.Module):
         y = self.c_proj(y.view(H, B, n, d // H).permute(1, 2, 0, 3).reshape(B, n, d))
         if self.training:
             y = self.resid_dropout(y)
-        return y, (BankState(kbar=last, weights=w) if use_cache else None)
+        if not use_cache:
+            return y, None
+        if state is None:  # decoding multiplies by (beta' M_k)^T every step: store it that way
+            w = w._replace(keys=w.keys.transpose(1, 2).contiguous().transpose(1, 2))
+        return y, BankState(kbar=last, weights=w)
 
 
 class SwiGLUMemory(nn.Module):
