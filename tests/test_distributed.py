@@ -121,8 +121,8 @@ def _resume_copy(source: Path, target: Path) -> None:
 
     from mosaics.training import checkpoint as ckpt
 
-    saved = ckpt.latest_checkpoint(source)
-    assert saved is not None and saved.name == "step_0000006"
+    saved = ckpt.checkpoint_root(source) / "step_0000006"
+    assert ckpt.verify(saved) is None
     shutil.copytree(saved, ckpt.checkpoint_root(target) / saved.name)
 
 
@@ -247,8 +247,8 @@ def test_deepspeed_checkpoint_resumes_exactly(single_process) -> None:
         return err
 
     launch(first, "checkpoint_interval=6")
-    saved = ckpt.latest_checkpoint(first)
-    assert saved is not None and saved.name == "step_0000006"
+    assert [s for s, _ in ckpt.list_checkpoints(first)] == [6, 12]  # the last step too
+    saved = ckpt.checkpoint_root(first) / "step_0000006"
     state = json.loads((saved / "trainer_state.json").read_text())
     assert state["deepspeed"] is True and state["world_size"] == 2
     assert not (saved / "model.safetensors").exists()  # the engine's own files instead
