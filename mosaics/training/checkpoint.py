@@ -204,7 +204,8 @@ def check_model_config(path: Path, config: Any) -> None:
     if diffs:
         raise CheckpointError(
             f"{path} was written for a different model ({'; '.join(diffs)}). Resume with the "
-            "settings it was written with, or start a fresh run in another run_dir.")
+            "settings it was written with, start a fresh run in another run_dir, or pass "
+            "fresh_start=true to move the earlier run aside.")
 
 
 # --- random number generators -------------------------------------------------------------

@@ -52,7 +52,7 @@ from accelerate.utils import (
 )
 from torch import Tensor
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InputError
 from . import checkpoint as ckpt
 from .config import TrainConfig
 from .metrics import MetricsLog
@@ -309,10 +309,21 @@ class Trainer:
 
     def _resumed(self, path: Path, states: tuple[dict, dict]) -> None:
         trainer_state, data_state = states
-        self.batches.load_state_dict(data_state)  # refuses other data, seed or global batch
+        try:  # refuses other data, seed or global batch
+            self.batches.load_state_dict(data_state)
+        except InputError as err:
+            raise type(err)(f"{err} (resuming {path}); to start a new run there instead, "
+                            "fresh_start=true moves the earlier one aside") from err
         self.step, self.tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
         self.data_offset = int(trainer_state.get("data_offset", 0))
         self._saved_step = self.step
+        # the optimizer's lr came from the checkpoint; follow this run's schedule from here
+        # (they differ when schedule_steps changed)
+        sched = self.scheduler
+        for group, base, factor in zip(sched.optimizer.param_groups, sched.base_lrs,
+                                       sched.lr_lambdas):
+            group["lr"] = base * factor(sched.last_epoch)
+        sched._last_lr = [group["lr"] for group in sched.optimizer.param_groups]
         written = trainer_state.get("world_size")
         world = self.accelerator.num_processes
         if written != world:  # the RNG streams were per process: start new ones
