@@ -58,7 +58,8 @@ class StopSignals:
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         if self.received is not None:
-            os.write(2, f"\n{name} again: exiting now, without a checkpoint\n".encode())
+            os.write(2, f"\n{name} after {self.received}: exiting now, without a "
+                        "checkpoint\n".encode())
             os._exit(128 + signum)
         self.received = name
         os.write(2, f"\n{name}: finishing this step, writing a checkpoint, then exiting "

@@ -485,9 +485,9 @@ class Trainer:
                     self.tokens_seen += int(row["tokens"]) * acc.num_processes
                 out_of_time = (cfg.time_budget_s is not None
                                and time.time() - started > cfg.time_budget_s)
-                last = self.step == cfg.max_steps or out_of_time or self.stop_requested
-                values: dict[str, float] = {}
-                if window and (self.step % cfg.log_interval == 0 or last):
+                last = self.step == cfg.max_steps or out_of_time
+                values: dict[str, float] = {}  # a stop signal skips the evaluation, not the log
+                if window and (self.step % cfg.log_interval == 0 or last or self.stop_requested):
                     values = self._window_metrics(window, time.time() - window_start)
                     train_loss = values["train/lm_loss"]
                     bar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{values['lr']:.2e}")
@@ -505,7 +505,7 @@ class Trainer:
                     self._log(values)
                 for hook in self.hooks:
                     hook.on_step_end(self, self.step, values)
-                last = last or self.stop
+                last = last or self.stop or self.stop_requested
                 if self.checkpointing and self._saved_step != self.step \
                         and (self.step % cfg.checkpoint_interval == 0 or last):
                     self.save_checkpoint()
