@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -37,6 +38,12 @@ def _env(**extra: str) -> dict[str, str]:
         env.pop(key, None)
     env.update(extra)
     return env
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _metrics(run_dir: Path) -> dict[tuple[int, str], float]:
@@ -177,7 +184,8 @@ def test_deepspeed_ranks_checkpoint_on_the_signal(reference) -> None:
     base, settings, expected = reference
     run_dir = base / "zero2"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs/accelerate/deepspeed_zero2.yaml"), "--main_process_port", "0",
+           str(ROOT / "configs/accelerate/deepspeed_zero2.yaml"), "--main_process_port",
+           str(_free_port()),
            "--deepspeed_config_file", str(ROOT / "configs/deepspeed/zero2.json"),
            str(ROOT / "train.py"), *(f"{k}={v}" for k, v in settings.items()),
            f"run_dir={run_dir}", "batch_size=1"]
