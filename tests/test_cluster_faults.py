@@ -284,6 +284,7 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.integration
 def test_the_same_command_resumes_and_another_run_is_refused_or_moved_aside(tiny, capsys):
     base, settings = tiny
     run_dir = base / "repeat"
@@ -311,6 +312,7 @@ def test_the_same_command_resumes_and_another_run_is_refused_or_moved_aside(tiny
     assert not (run_dir / LOCK_NAME).exists()
 
 
+@pytest.mark.integration
 def test_an_earlier_run_without_a_checkpoint_is_moved_aside(tiny, capsys) -> None:
     base, settings = tiny
     run_dir = base / "no_checkpoint"
@@ -323,6 +325,7 @@ def test_an_earlier_run_without_a_checkpoint_is_moved_aside(tiny, capsys) -> Non
     assert (moved / "metrics.jsonl").read_text() == old_metrics
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("stretch", [False, True])
 def test_max_steps_raised_on_resume(tiny, capsys, stretch) -> None:
     """4 steps, then the same command with max_steps=7: resumed at 4. The schedule keeps its
@@ -344,6 +347,7 @@ def test_max_steps_raised_on_resume(tiny, capsys, stretch) -> None:
     assert ckpt.read_trainer_state(ckpt.latest_checkpoint(run_dir))["schedule_steps"] == length
 
 
+@pytest.mark.integration
 def test_a_time_budget_stop_writes_a_checkpoint(tiny) -> None:
     base, settings = tiny
     run_dir = base / "budget"

@@ -16,6 +16,8 @@ import pytest
 
 from mosaics.training.config import load_config
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=32, max_steps=12, warmup_steps=3,
             num_train_stories=200, vocab_size=300, eval_interval=6, eval_windows=8,

@@ -189,6 +189,7 @@ def test_tokenizer_folder_without_its_files(tmp_path, capsys) -> None:
                 "no tokenizer files")
 
 
+@pytest.mark.integration
 def test_missing_data_source_from_the_command_line(tmp_path) -> None:
     """The real entry point: a separate process, one line on stderr, exit code 2."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")

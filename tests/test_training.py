@@ -210,6 +210,7 @@ def reference_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_kill_and_resume_matches_uninterrupted_run(reference_run) -> None:
     base, settings = reference_run
     run_dir = base / "killed"
