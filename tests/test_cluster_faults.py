@@ -8,6 +8,7 @@ import errno
 import json
 import math
 import os
+import resource
 import socket
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from mosaics.training.config import TrainConfig
 from mosaics.training.optim import cosine_with_warmup
 from mosaics.training.rundir import LOCK_NAME, PREVIOUS_RUNS, RunLock
 from mosaics.training.signals import parse_signals
-from mosaics.training.trainer import Trainer
+from mosaics.training.trainer import Hook, Trainer
 
 VOCAB, POISON = 11, 10  # a batch holding token POISON gives a NaN loss
 
@@ -191,9 +192,9 @@ def test_a_failed_save_keeps_earlier_checkpoints_and_says_what_is_needed(tmp_pat
     message = str(caught.value)
     assert "\n" not in message and trainer.step == 4
     assert f"cannot write checkpoint {run_dir / 'checkpoints' / 'step_0000004'}" in message
-    assert os.strerror(code) in message and "MiB free there" in message
+    assert os.strerror(code) in message and "iB free there" in message
     before = ckpt.checkpoint_bytes(run_dir / "checkpoints" / "step_0000002")
-    assert f"needs about {before / 2**20:.1f} MiB" in message and "from step_0000002" in message
+    assert f"needs about {before / 2**10:.1f} KiB" in message and "from step_0000002" in message
     assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [2]  # keep=1 did not prune it
     assert ckpt.verify(run_dir / "checkpoints" / "step_0000002") is None
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_0000002"]
@@ -356,3 +357,35 @@ def test_a_time_budget_stop_writes_a_checkpoint(tiny) -> None:
     assert result.stopped_early and result.steps == 1
     assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [1]
     assert ckpt.verify(ckpt.latest_checkpoint(run_dir)) is None
+
+
+class _FileSizeLimit(Hook):
+    """From the end of step 3 on, no file of this process may grow past ``limit`` bytes (a
+    real write failure, EFBIG, like a full disk's ENOSPC inside torch's writer)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.saved = limit, None
+
+    def on_step_end(self, trainer: Trainer, step: int, metrics: dict) -> None:
+        if step == 3:
+            self.saved = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (self.limit, self.saved[1]))
+
+    def restore(self) -> None:
+        if self.saved is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, self.saved)
+
+
+def test_a_real_write_failure_inside_torch_save_is_reported_the_same_way(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    cfg = _cfg(run_dir, checkpoint_interval=2, max_steps=6)
+    limit = _FileSizeLimit(1500)
+    trainer = Trainer(cfg, ToyLM(), ToyBatches(), hooks=[limit])
+    try:
+        with pytest.raises(ckpt.CheckpointWriteError, match=r"step_0000004: write failed \("):
+            trainer.fit()
+    finally:
+        limit.restore()
+    assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [2]
+    assert ckpt.verify(run_dir / "checkpoints" / "step_0000002") is None
+    assert not (run_dir / "checkpoints" / ".tmp-step_0000004").exists()

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
 from ..errors import CheckpointError
@@ -55,8 +56,15 @@ class CheckpointWriteError(CheckpointError):
 
 def write_file(path: Path, write: Callable[[str], Any]) -> None:
     """Write one file of a checkpoint with ``write(str(path))``: every file of a save goes
-    through here."""
-    write(str(path))
+    through here. torch's and safetensors' writers report a failed write (full disk, file
+    too large) as their own errors; they are raised as ``OSError`` naming ``path``."""
+    try:
+        write(str(path))
+    except OSError:
+        raise
+    except (RuntimeError, SafetensorError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise OSError(0, f"write failed ({first.strip()})", str(path)) from err
 
 
 def rename(src: Path, dst: Path) -> None:
@@ -307,6 +315,10 @@ def checkpoint_bytes(path: Path) -> int:
     return sum(int(e["size"]) for e in entries.values())
 
 
+def _size(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
 def save_failure_message(run_dir: str | os.PathLike, step: int, err: OSError,
                          estimate: int) -> str:
     """One line: what failed, the space free and needed, and how to continue."""
@@ -314,13 +326,13 @@ def save_failure_message(run_dir: str | os.PathLike, step: int, err: OSError,
     done = list_checkpoints(run_dir)
     try:
         free = shutil.disk_usage(checkpoint_root(run_dir)).free
-        free_text = f"{free / 2**20:.1f} MiB free there"
+        free_text = f"{_size(free)} free there"
     except OSError:
         free_text = "free space unknown"
     where = f" ({err.filename})" if err.filename else ""
     resume = f"from {done[-1][1].name}" if done else "from the start (no checkpoint yet)"
     return (f"cannot write checkpoint {target}: {err.strerror or err}{where}; {free_text}, a "
-            f"checkpoint needs about {estimate / 2**20:.1f} MiB. Earlier checkpoints are "
+            f"checkpoint needs about {_size(estimate)}. Earlier checkpoints are "
             f"intact: free space (or fix permissions) and run the same command again to resume "
             f"{resume}.")
 
