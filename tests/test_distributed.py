@@ -16,6 +16,8 @@ import pytest
 
 from mosaics.training.config import load_config
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=32, max_steps=12, warmup_steps=3,
             num_train_stories=200, vocab_size=300, eval_interval=6, eval_windows=8,
@@ -121,8 +123,8 @@ def _resume_copy(source: Path, target: Path) -> None:
 
     from mosaics.training import checkpoint as ckpt
 
-    saved = ckpt.latest_checkpoint(source)
-    assert saved is not None and saved.name == "step_0000006"
+    saved = ckpt.checkpoint_root(source) / "step_0000006"
+    assert ckpt.verify(saved) is None
     shutil.copytree(saved, ckpt.checkpoint_root(target) / saved.name)
 
 
@@ -247,8 +249,8 @@ def test_deepspeed_checkpoint_resumes_exactly(single_process) -> None:
         return err
 
     launch(first, "checkpoint_interval=6")
-    saved = ckpt.latest_checkpoint(first)
-    assert saved is not None and saved.name == "step_0000006"
+    assert [s for s, _ in ckpt.list_checkpoints(first)] == [6, 12]  # the last step too
+    saved = ckpt.checkpoint_root(first) / "step_0000006"
     state = json.loads((saved / "trainer_state.json").read_text())
     assert state["deepspeed"] is True and state["world_size"] == 2
     assert not (saved / "model.safetensors").exists()  # the engine's own files instead

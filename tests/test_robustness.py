@@ -40,11 +40,11 @@ def _losses(run_dir: Path) -> dict[tuple[int, str], float]:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    """A tiny run with checkpoints at steps 3 and 6."""
+    """A tiny run with checkpoints at steps 3 and 6, and 8 (the last step)."""
     base = tmp_path_factory.mktemp("robust")
     settings = dict(TINY, data_cache_dir=str(base / "cache"))
     train(load_config(None, dict(settings, run_dir=str(base / "full"))))
-    assert [s for s, _ in ckpt.list_checkpoints(base / "full")] == [3, 6]
+    assert [s for s, _ in ckpt.list_checkpoints(base / "full")] == [3, 6, 8]
     return base, settings
 
 
@@ -52,6 +52,7 @@ def _damaged_copy(finished_run, name: str, damage) -> tuple[Path, dict]:  # noqa
     base, settings = finished_run
     run_dir = base / name
     shutil.copytree(base / "full", run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_0000008")  # as if it stopped after step 6
     damage(run_dir / "checkpoints" / "step_0000006")
     return run_dir, settings
 
@@ -188,6 +189,7 @@ def test_tokenizer_folder_without_its_files(tmp_path, capsys) -> None:
                 "no tokenizer files")
 
 
+@pytest.mark.integration
 def test_missing_data_source_from_the_command_line(tmp_path) -> None:
     """The real entry point: a separate process, one line on stderr, exit code 2."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")

@@ -210,6 +210,7 @@ def reference_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_kill_and_resume_matches_uninterrupted_run(reference_run) -> None:
     base, settings = reference_run
     run_dir = base / "killed"
@@ -292,6 +293,9 @@ def test_gpt2_baseline_trains_resumes_and_exports(reference_run) -> None:
     result = train(load_config(None, settings))
     assert result.sample is not None and result.sample.startswith("Once upon a time")
     first = _metrics(run_dir)
+    import shutil
+
+    shutil.rmtree(run_dir / "checkpoints" / "step_0000006")  # as if it stopped after step 3
     train(load_config(None, dict(settings, resume=True)))
     again = _metrics(run_dir)
     assert set(first) == set(again)

@@ -13,6 +13,10 @@ Layout of ``<run_dir>/checkpoints/step_XXXXXXX/``::
                              the training config and the model config
     manifest.json            written last: size and SHA-256 of every other file
 
+Every file of a save goes through :func:`write_file` (and the final rename through
+:func:`rename`); a failure there (full disk, I/O error, permissions) removes the temporary
+folder and raises :class:`CheckpointWriteError`, leaving every earlier checkpoint as it was.
+
 A checkpoint is written into ``.tmp-step_XXXXXXX``, every file is fsynced, the manifest is
 written, and only then is the folder renamed into place (and the parent fsynced). A folder
 without the manifest is never loaded: an interrupted save leaves at most a ``.tmp-`` folder,
@@ -31,17 +35,41 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
 from ..errors import CheckpointError
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (disk full, I/O error, permissions)."""
+
+
+def write_file(path: Path, write: Callable[[str], Any]) -> None:
+    """Write one file of a checkpoint with ``write(str(path))``: every file of a save goes
+    through here. torch's and safetensors' writers report a failed write (full disk, file
+    too large) as their own errors; they are raised as ``OSError`` naming ``path``."""
+    try:
+        write(str(path))
+    except OSError:
+        raise
+    except (RuntimeError, SafetensorError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise OSError(0, f"write failed ({first.strip()})", str(path)) from err
+
+
+def rename(src: Path, dst: Path) -> None:
+    """``os.replace``: the rename that publishes a finished checkpoint."""
+    os.replace(src, dst)
 
 
 def _fsync_file(path: Path) -> None:
@@ -114,7 +142,8 @@ def write_manifest(folder: Path) -> Path:
     entries = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
                for p in _files(folder)}
     path = folder / MANIFEST
-    path.write_text(json.dumps({"files": entries}, indent=1))
+    text = json.dumps({"files": entries}, indent=1)
+    write_file(path, lambda name: Path(name).write_text(text))
     return path
 
 
@@ -183,7 +212,8 @@ def check_model_config(path: Path, config: Any) -> None:
     if diffs:
         raise CheckpointError(
             f"{path} was written for a different model ({'; '.join(diffs)}). Resume with the "
-            "settings it was written with, or start a fresh run in another run_dir.")
+            "settings it was written with, start a fresh run in another run_dir, or pass "
+            "fresh_start=true to move the earlier run aside.")
 
 
 # --- random number generators -------------------------------------------------------------
@@ -235,8 +265,9 @@ def prepare_save(run_dir: str | os.PathLike, step: int) -> Path:
 
 def save_rank_state(tmp: Path, rank: int, data_state: dict[str, Any]) -> None:
     """Every process: its RNG and data-sampler states."""
-    torch.save(rng_state(), tmp / f"rank_{rank}.pt")
-    (tmp / f"rank_{rank}.json").write_text(json.dumps(data_state))
+    rng, text = rng_state(), json.dumps(data_state)
+    write_file(tmp / f"rank_{rank}.pt", lambda name: torch.save(rng, name))
+    write_file(tmp / f"rank_{rank}.json", lambda name: Path(name).write_text(text))
 
 
 def save_main_state(tmp: Path, model: torch.nn.Module | None,
@@ -245,11 +276,12 @@ def save_main_state(tmp: Path, model: torch.nn.Module | None,
     """Main process: weights and optimizer (unless DeepSpeed wrote them: ``None``), scheduler
     and trainer state."""
     if model is not None:
-        save_model(model, str(tmp / "model.safetensors"))
+        write_file(tmp / "model.safetensors", lambda name: save_model(model, name))
     if optimizer is not None:
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        write_file(tmp / "optimizer.pt", lambda name: torch.save(optimizer.state_dict(), name))
+    write_file(tmp / "scheduler.pt", lambda name: torch.save(scheduler.state_dict(), name))
+    text = json.dumps(trainer_state, indent=1)
+    write_file(tmp / "trainer_state.json", lambda name: Path(name).write_text(text))
 
 
 def finalize_save(run_dir: str | os.PathLike, step: int, keep: int = 0) -> Path:
@@ -264,14 +296,45 @@ def finalize_save(run_dir: str | os.PathLike, step: int, keep: int = 0) -> Path:
     _fsync_file(manifest)
     _fsync_dir(tmp)
     final = checkpoint_root(run_dir) / step_dir_name(step)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    replaced = final.with_name(f".old-{final.name}")
+    if final.exists():  # the same step again: keep the old copy until the new one is in place
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(final, replaced)
+    rename(tmp, final)
     _fsync_dir(final.parent)
+    shutil.rmtree(replaced, ignore_errors=True)
     if keep > 0:
         for _, old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """Bytes of a complete checkpoint, from its manifest."""
+    entries = json.loads((path / MANIFEST).read_text())["files"]
+    return sum(int(e["size"]) for e in entries.values())
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def save_failure_message(run_dir: str | os.PathLike, step: int, err: OSError,
+                         estimate: int) -> str:
+    """One line: what failed, the space free and needed, and how to continue."""
+    target = checkpoint_root(run_dir) / step_dir_name(step)
+    done = list_checkpoints(run_dir)
+    try:
+        free = shutil.disk_usage(checkpoint_root(run_dir)).free
+        free_text = f"{_size(free)} free there"
+    except OSError:
+        free_text = "free space unknown"
+    where = f" ({err.filename})" if err.filename else ""
+    resume = f"from {done[-1][1].name}" if done else "from the start (no checkpoint yet)"
+    return (f"cannot write checkpoint {target}: {err.strerror or err}{where}; {free_text}, a "
+            f"checkpoint needs about {_size(estimate)}. Earlier checkpoints are "
+            f"intact: free space (or fix permissions) and run the same command again to resume "
+            f"{resume}.")
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ class TrainConfig:
     # run
     run_dir: str = "runs/default"
     seed: int = 0
-    resume: bool = False
+    resume: bool = False  # intact checkpoints in run_dir are resumed even without it
 
     # data (see mosaics.data.prepare_corpus)
     data_source: str | None = None
@@ -96,6 +97,13 @@ class TrainConfig:
     sample_prompt: str = "Once upon a time"
     sample_tokens: int = 48
 
+    # cluster runs: requeue, preemption, loss spikes, extension (docs/training.md)
+    fresh_start: bool = False  # move an earlier run in run_dir aside instead of resuming it
+    stop_signals: str = "SIGTERM,SIGUSR1"  # checkpoint and exit (status 75) on these; "" = off
+    max_bad_steps: int = 5  # non-finite steps skipped in a row before the run stops
+    bad_step_rollback: bool = False  # then roll back to the last checkpoint, new batches
+    schedule_steps: int | None = None  # cosine length; null: max_steps of the run's start
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -117,6 +125,18 @@ class TrainConfig:
             raise ConfigError(f"need 0 <= min_lr <= lr, got min_lr={self.min_lr}, lr={self.lr}.")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ConfigError(f"time_budget_s must be positive or null, got {self.time_budget_s}.")
+        if self.fresh_start and self.resume:
+            raise ConfigError("fresh_start=true and resume=true contradict each other; a run_dir "
+                              "with checkpoints is resumed anyway, so drop one of them.")
+        from .signals import parse_signals
+
+        parse_signals(self.stop_signals)
+        if self.max_bad_steps < 0:
+            raise ConfigError(f"max_bad_steps must be >= 0 (0: stop at the first non-finite "
+                              f"step), got {self.max_bad_steps}.")
+        if self.schedule_steps is not None and self.schedule_steps <= 0:
+            raise ConfigError(f"schedule_steps must be positive or null, got "
+                              f"{self.schedule_steps}.")
         if self.global_batch_size is not None and self.global_batch_size <= 0:
             raise ConfigError(f"global_batch_size must be positive or null, got "
                              f"{self.global_batch_size}.")
@@ -302,4 +322,8 @@ def config_from_argv(argv: list[str]) -> TrainConfig:
 
 
 def save_config(config: TrainConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    """Write the config as YAML, atomically (a temporary file renamed into place)."""
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    os.replace(tmp, path)

@@ -1,7 +1,12 @@
 """Pretraining a language model on a text corpus: the :class:`Trainer` fed random windows.
 
-    corpus (prepared once, main process first) -> RandomWindowBatches -> Trainer.fit
-    -> <run_dir>/final (Hugging Face model + tokenizer) -> a sample from the reloaded model
+    run_dir lock (main) -> earlier run resumed, or moved aside -> corpus (prepared once, main
+    process first) -> RandomWindowBatches -> Trainer.fit -> <run_dir>/final (Hugging Face model
+    + tokenizer) -> a sample from the reloaded model
+
+The same command is safe to repeat: it resumes from the newest intact checkpoint of
+``run_dir`` (the scheduler-requeue case). A stop signal ends it with a checkpoint and
+:class:`~mosaics.training.signals.RunPreempted` (exit status 75).
 """
 
 from __future__ import annotations
@@ -12,9 +17,13 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 
+from ..errors import ConfigError
 from .build import as_hf_tokenizer, build_model, special_token_ids
 from .config import TrainConfig, save_config
+from .rundir import RunLock, prepare_run_dir
+from .signals import EXIT_PREEMPTED, RunPreempted
 from .trainer import Trainer, TrainResult, count_parameters, make_accelerator
 
 
@@ -63,16 +72,52 @@ def sample_text(final_dir: Path, prompt: str, max_new_tokens: int, seed: int) ->
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
+def claim_run_dir(cfg: TrainConfig, accelerator: Accelerator) -> RunLock | None:
+    """Main process: lock ``run_dir`` and move an earlier run without an intact checkpoint
+    (or any, under ``fresh_start``) aside; every process raises the same ``ConfigError`` when
+    the folder is in use. Returns the held lock (main) or ``None``."""
+    lock, error = None, None
+    if accelerator.is_main_process:
+        run_dir = Path(cfg.run_dir)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock = RunLock(run_dir)
+            note = lock.acquire()
+            if note is not None:
+                print(note, file=sys.stderr)
+            prepare_run_dir(run_dir, cfg.fresh_start)
+            save_config(cfg, run_dir / "config.yaml")
+        except (ConfigError, OSError) as err:
+            if lock is not None:
+                lock.release()
+            error = (str(err) if isinstance(err, ConfigError)
+                     else f"cannot prepare run_dir {run_dir}: {err}")
+    if accelerator.num_processes > 1:
+        box = [error]
+        broadcast_object_list(box)
+        error = box[0]
+    if error is not None:
+        raise ConfigError(error)
+    return lock
+
+
 def train(cfg: TrainConfig) -> TrainResult:
-    """Run (or resume) the pretraining described by ``cfg``."""
+    """Run (or resume) the pretraining described by ``cfg``; raises
+    :class:`~mosaics.training.signals.RunPreempted` when a stop signal ended it."""
+    accelerator = make_accelerator(cfg)
+    lock = claim_run_dir(cfg, accelerator)
+    try:
+        return _train_locked(cfg, accelerator)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train_locked(cfg: TrainConfig, accelerator: Accelerator) -> TrainResult:
     from ..data import RandomWindowBatches, fixed_validation_windows
 
-    accelerator = make_accelerator(cfg)
     main, world = accelerator.is_main_process, accelerator.num_processes
     run_dir = Path(cfg.run_dir)
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
     corpus = load_data(cfg, accelerator)
     tokenizer = as_hf_tokenizer(corpus.tokenizer)
     # the windows of step s are a pure function of (seed, s, global batch), however they are
@@ -98,6 +143,16 @@ def train(cfg: TrainConfig) -> TrainResult:
               f"{cfg.batch_size * accum * world * cfg.block_size} tokens per step "
               f"({accum} micro-batch(es) of {cfg.batch_size} per process)", file=sys.stderr)
     result = trainer.fit()
+    if result.stop_signal is not None:  # preempted: no final model, the checkpoint resumes
+        trainer.close()
+        where = f"checkpoint {result.checkpoint} written" if result.checkpoint else \
+            "no checkpoint (checkpoint_interval=0)"
+        stopped = RunPreempted(f"stopped by {result.stop_signal} at step {result.steps}: "
+                               f"{where}; run the same command again to continue (exit status "
+                               f"{EXIT_PREEMPTED})")
+        if main:
+            print(stopped, file=sys.stderr, flush=True)
+        raise stopped
     if cfg.save_final:
         result.final_dir = trainer.export(run_dir / "final", tokenizer)
         if main:  # the model card (README.md) of the exported directory

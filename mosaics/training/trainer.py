@@ -17,6 +17,13 @@ pure function of ``i``, so a resumed run sees exactly the batches the interrupte
 Metrics go to ``<run_dir>/metrics.jsonl`` (one JSON object per line), the trackers of
 ``cfg.log_with`` (TensorBoard in ``<run_dir>/tb`` by default; W&B, MLflow; see
 :mod:`mosaics.training.metrics`) and :attr:`Trainer.history`.
+
+Faults (with checkpoints on, ``checkpoint_interval > 0``): a stop signal (``stop_signals``)
+ends the run after the current step with a checkpoint, agreed by all processes; the last step
+and a time-budget stop are checkpointed; a non-finite loss or gradient norm skips the step
+(optimizer and schedule untouched) and ``max_bad_steps`` in a row stop the run, or roll it
+back to the last checkpoint onto new batches (``bad_step_rollback``); a failed save raises
+:class:`~mosaics.training.checkpoint.CheckpointWriteError` on every process.
 """
 
 from __future__ import annotations
@@ -47,11 +54,12 @@ from accelerate.utils import (
 )
 from torch import Tensor
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InputError
 from . import checkpoint as ckpt
 from .config import TrainConfig
 from .metrics import MetricsLog, check_installed, tracker_names
 from .optim import build_optimizer, build_scheduler
+from .signals import StopSignals, parse_signals
 
 Batch = dict[str, Tensor]
 
@@ -83,6 +91,13 @@ class TrainResult:
     history: list[dict[str, float]] = field(default_factory=list)
     final_dir: Path | None = None
     sample: str | None = None
+    stop_signal: str | None = None  # the signal that stopped the run (checkpoint written)
+    checkpoint: Path | None = None  # the run's last checkpoint, if it wrote one
+    skipped_steps: int = 0  # steps skipped for a non-finite loss or gradient norm
+
+
+class TrainingDiverged(ConfigError, FloatingPointError):
+    """Too many non-finite steps in a row; the message names the settings to change."""
 
 
 class Hook:
@@ -206,6 +221,20 @@ class Trainer:
         self.stop = False
         self.history: list[dict[str, float]] = []
         self.metrics: MetricsLog | None = None
+        self.data_offset = 0  # added to the step to index batches (moved by a rollback)
+        self.schedule_steps = cfg.max_steps
+        self.bad_in_a_row = 0
+        self.skipped_steps = 0
+        self.stop_requested = False  # a stop signal reached some process (agreed every step)
+        self.signals = StopSignals(parse_signals(cfg.stop_signals) if self.checkpointing
+                                   else [])
+        self._saved_step: int | None = None
+        self._rollback_from: int | None = None
+
+    @property
+    def checkpointing(self) -> bool:
+        """Checkpoints on: a run_dir and ``checkpoint_interval > 0``."""
+        return self.run_dir is not None and self.cfg.checkpoint_interval > 0
 
     # --- setup ---------------------------------------------------------------------------
 
@@ -226,9 +255,11 @@ class Trainer:
                                 module="torch.distributed.c10d_logger")
         self.optimizer = build_optimizer(self.model, cfg.lr, cfg.weight_decay,
                                          (cfg.beta1, cfg.beta2), cfg.adam_eps)
+        resume_from = (self._choose_checkpoint() if self.run_dir is not None
+                       and not cfg.fresh_start else None)
+        self.schedule_steps = self._schedule_length(resume_from)
         self.scheduler = build_scheduler(self.optimizer, cfg.lr, cfg.min_lr, cfg.warmup_steps,
-                                         cfg.max_steps)
-        resume_from = self._choose_checkpoint() if cfg.resume else None
+                                         self.schedule_steps)
         if resume_from is not None and not self.is_deepspeed:
             self._resumed(resume_from, ckpt.load_checkpoint(
                 resume_from, self.model, self.optimizer, self.scheduler, acc.process_index,
@@ -254,8 +285,10 @@ class Trainer:
             for warning in skipped:
                 print(f"warning: {warning}", file=sys.stderr)
             if path is None:
-                print(f"resume: no intact checkpoint in {ckpt.checkpoint_root(self.run_dir)}, "
-                      "starting fresh", file=sys.stderr)
+                if self.cfg.resume or skipped:
+                    print(f"resume: no intact checkpoint in "
+                          f"{ckpt.checkpoint_root(self.run_dir)}, starting fresh",
+                          file=sys.stderr)
             else:
                 ckpt.check_model_config(path, self.unwrapped_model.config)
             choice = [None if path is None else str(path)]
@@ -263,10 +296,42 @@ class Trainer:
             broadcast_object_list(choice)
         return None if choice[0] is None else Path(choice[0])
 
+    def _schedule_length(self, resume_from: Path | None) -> int:
+        """Steps of the cosine: ``schedule_steps`` if set, else the length the run started
+        with (a resumed run with a larger ``max_steps`` keeps it: lr stays at ``min_lr``
+        after its end), else ``max_steps``."""
+        cfg = self.cfg
+        if cfg.schedule_steps is not None:
+            return cfg.schedule_steps
+        if resume_from is None:
+            return cfg.max_steps
+        state = ckpt.read_trainer_state(resume_from)
+        length = int(state.get("schedule_steps") or state.get("config", {}).get("max_steps")
+                     or cfg.max_steps)
+        if cfg.max_steps > length and self.is_main:
+            print(f"max_steps={cfg.max_steps} extends the run past its schedule of {length} "
+                  f"steps: lr stays at min_lr={cfg.min_lr} after step {length} (set "
+                  f"schedule_steps={cfg.max_steps} to stretch the cosine instead)",
+                  file=sys.stderr)
+        return length
+
     def _resumed(self, path: Path, states: tuple[dict, dict]) -> None:
         trainer_state, data_state = states
-        self.batches.load_state_dict(data_state)  # refuses other data, seed or global batch
+        try:  # refuses other data, seed or global batch
+            self.batches.load_state_dict(data_state)
+        except InputError as err:
+            raise type(err)(f"{err} (resuming {path}); to start a new run there instead, "
+                            "fresh_start=true moves the earlier one aside") from err
         self.step, self.tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
+        self.data_offset = int(trainer_state.get("data_offset", 0))
+        self._saved_step = self.step
+        # the optimizer's lr came from the checkpoint; follow this run's schedule from here
+        # (they differ when schedule_steps changed)
+        sched = self.scheduler
+        for group, base, factor in zip(sched.optimizer.param_groups, sched.base_lrs,
+                                       sched.lr_lambdas):
+            group["lr"] = base * factor(sched.last_epoch)
+        sched._last_lr = [group["lr"] for group in sched.optimizer.param_groups]
         written = trainer_state.get("world_size")
         world = self.accelerator.num_processes
         if written != world:  # the RNG streams were per process: start new ones
@@ -307,12 +372,25 @@ class Trainer:
 
     # --- the loop ------------------------------------------------------------------------
 
+    def _agree(self, *flags: bool) -> list[bool]:
+        """Each flag true on any process (one all-reduce; none with a single process)."""
+        if self.accelerator.num_processes == 1:
+            return list(flags)
+        local = torch.tensor([float(f) for f in flags], device=self.accelerator.device)
+        total = self.accelerator.reduce(local, reduction="sum")
+        return [bool(v > 0) for v in total.tolist()]
+
     def train_step(self) -> dict[str, float]:
-        """One optimizer step; returns this process's mean losses and its token count."""
+        """One optimizer step; returns this process's mean losses and its token count.
+
+        Before the optimizer steps, all processes agree (one all-reduce) whether any saw a
+        non-finite loss or gradient norm, and whether any received a stop signal. A bad step
+        leaves optimizer and schedule untouched (``"skipped": 1.0`` in the result)."""
         acc, cfg = self.accelerator, self.cfg
         sums = torch.zeros(3, dtype=torch.float64)  # loss, lm_loss, aux_loss
-        tokens, grad_norm = 0, None
-        for index in range(self.step * self.accumulation, (self.step + 1) * self.accumulation):
+        tokens, grad_norm, bad, value = 0, None, False, math.nan
+        first = (self.step + self.data_offset) * self.accumulation
+        for index in range(first, first + self.accumulation):
             batch = self.batches.batch(index)
             ids = batch["input_ids"].to(acc.device)
             labels = batch["labels"].to(acc.device)
@@ -320,26 +398,36 @@ class Trainer:
                 out = self.model(input_ids=ids, labels=labels, use_cache=False)
                 loss = out.loss
                 acc.backward(loss)
+                value = loss.item()
+                bad = bad or not math.isfinite(value)
                 if acc.sync_gradients:
                     if cfg.grad_clip > 0 or self.is_deepspeed:
                         grad_norm = acc.clip_grad_norm_(
                             self.model.parameters(),
                             cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-                    self.optimizer.step()
+                        bad = bad or not math.isfinite(float(grad_norm))
+                    bad, stop = self._agree(bad, self.signals.received is not None)
+                    self.stop_requested = self.stop_requested or stop
+                    if bad and self.is_deepspeed:  # its engine stepped inside backward
+                        raise TrainingDiverged(
+                            f"non-finite training loss or gradient norm at step "
+                            f"{self.step + 1} under DeepSpeed (which cannot skip a step): "
+                            f"lower lr (now {cfg.lr}), raise warmup_steps, or keep "
+                            "grad_clip > 0.")
+                    if not bad:
+                        self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
-            value = loss.item()
-            if not math.isfinite(value):
-                raise FloatingPointError(
-                    f"non-finite training loss ({value}) at step {self.step + 1}: lower lr "
-                    f"(now {cfg.lr}), raise warmup_steps, or keep grad_clip > 0.")
             lm = getattr(out, "lm_loss", None)
             aux = getattr(out, "aux_loss", None)
             sums += torch.tensor([value, value if lm is None else lm.item(),
                                   math.nan if aux is None else aux.item()], dtype=torch.float64)
             tokens += ids.numel()
         lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
         self.step += 1
+        if bad:
+            return {"skipped": 1.0, "train/loss": value, "lr": lr, "tokens": float(tokens),
+                    "grad_norm": math.nan if grad_norm is None else float(grad_norm)}
+        self.scheduler.step()
         means = sums / self.accumulation
         row = {"train/loss": float(means[0]), "train/lm_loss": float(means[1]), "lr": lr,
                "tokens": float(tokens)}
@@ -375,63 +463,132 @@ class Trainer:
         return float(total[0] / total[1].clamp_min(1))
 
     def fit(self) -> TrainResult:
-        """Train to ``max_steps`` (or the time budget) and return the result."""
+        """Train to ``max_steps`` (or the time budget, or a stop signal) and return the result.
+
+        With checkpoints on, the last step is checkpointed, whichever of the three ends it."""
         from tqdm.auto import tqdm
 
         if self.optimizer is None:
             self.setup()
         cfg, acc = self.cfg, self.accelerator
         started = time.time()
+        if self.step >= cfg.max_steps and self.is_main:
+            print(f"{self.name}: already at step {self.step} of max_steps={cfg.max_steps}; "
+                  "raise max_steps to train further", file=sys.stderr)
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc=self.name, dynamic_ncols=True,
                    disable=not (self.is_main and cfg.progress_bar), mininterval=1.0)
         window: list[dict[str, float]] = []
         window_start = time.time()
         train_loss = val_loss = None
         stopped_early = False
-        while self.step < cfg.max_steps and not self.stop:
-            row = self.train_step()
-            window.append(row)
-            self.tokens_seen += int(row["tokens"]) * acc.num_processes
-            bar.update(1)
-            out_of_time = (cfg.time_budget_s is not None
-                           and time.time() - started > cfg.time_budget_s)
-            last = self.step == cfg.max_steps or out_of_time
-            values: dict[str, float] = {}
-            if self.step % cfg.log_interval == 0 or last:
-                values = self._window_metrics(window, time.time() - window_start)
-                train_loss = values["train/lm_loss"]
-                bar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{values['lr']:.2e}")
-                window, window_start = [], time.time()
-            if (cfg.eval_interval and self.step % cfg.eval_interval == 0) or last:
-                val_loss = self.evaluate() if self.val_batches else None
-                if val_loss is not None:
-                    values["val/loss"] = val_loss
-                    if self.is_main:
-                        bar.write(f"{self.name} step {self.step}: val loss {val_loss:.4f}")
-                    for hook in self.hooks:
-                        hook.on_evaluate(self, self.step, val_loss)
-                window_start = time.time()
-            if values:
-                self._log(values)
-            for hook in self.hooks:
-                hook.on_step_end(self, self.step, values)
-            if cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0 \
-                    and not last:
-                self.save_checkpoint()
-                window_start = time.time()
-            if out_of_time and self.step < cfg.max_steps:
-                stopped_early = True
-                break
+        with self.signals:
+            while self.step < cfg.max_steps and not self.stop:
+                row = self.train_step()
+                bar.update(1)
+                if row.get("skipped"):
+                    self._skipped(row)
+                else:
+                    self.bad_in_a_row = 0
+                    window.append(row)
+                    self.tokens_seen += int(row["tokens"]) * acc.num_processes
+                out_of_time = (cfg.time_budget_s is not None
+                               and time.time() - started > cfg.time_budget_s)
+                last = self.step == cfg.max_steps or out_of_time
+                values: dict[str, float] = {}  # a stop signal skips the evaluation, not the log
+                if window and (self.step % cfg.log_interval == 0 or last or self.stop_requested):
+                    values = self._window_metrics(window, time.time() - window_start)
+                    train_loss = values["train/lm_loss"]
+                    bar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{values['lr']:.2e}")
+                    window, window_start = [], time.time()
+                if (cfg.eval_interval and self.step % cfg.eval_interval == 0) or last:
+                    val_loss = self.evaluate() if self.val_batches else None
+                    if val_loss is not None:
+                        values["val/loss"] = val_loss
+                        if self.is_main:
+                            bar.write(f"{self.name} step {self.step}: val loss {val_loss:.4f}")
+                        for hook in self.hooks:
+                            hook.on_evaluate(self, self.step, val_loss)
+                    window_start = time.time()
+                if values:
+                    self._log(values)
+                for hook in self.hooks:
+                    hook.on_step_end(self, self.step, values)
+                last = last or self.stop or self.stop_requested
+                if self.checkpointing and self._saved_step != self.step \
+                        and (self.step % cfg.checkpoint_interval == 0 or last):
+                    self.save_checkpoint()
+                    window_start = time.time()
+                if self.stop_requested:
+                    break
+                if out_of_time and self.step < cfg.max_steps:
+                    stopped_early = True
+                    break
         bar.close()
         if self.metrics is not None:
             self.metrics.close()
         result = TrainResult(run_dir=self.run_dir, steps=self.step, train_loss=train_loss,
                              val_loss=val_loss, wall_seconds=time.time() - started,
-                             stopped_early=stopped_early, history=self.history)
+                             stopped_early=stopped_early or self.stop_requested,
+                             history=self.history, skipped_steps=self.skipped_steps)
+        if self.stop_requested:
+            result.stop_signal = self.signals.received or "a stop signal on another process"
+        if self._saved_step is not None and self.run_dir is not None:
+            result.checkpoint = (ckpt.checkpoint_root(self.run_dir)
+                                 / ckpt.step_dir_name(self._saved_step))
         for hook in self.hooks:
             hook.on_train_end(self, result)
         return result
 
+    def _skipped(self, row: dict[str, float]) -> None:
+        """Count a skipped step; after ``max_bad_steps`` in a row roll back or stop."""
+        cfg = self.cfg
+        self.bad_in_a_row += 1
+        self.skipped_steps += 1
+        if self.is_main:
+            print(f"warning: step {self.step}: non-finite loss ({row['train/loss']}) or "
+                  f"gradient norm ({row['grad_norm']}); step skipped, optimizer and lr schedule "
+                  f"unchanged ({self.bad_in_a_row} in a row, {cfg.max_bad_steps} allowed)",
+                  file=sys.stderr)
+        if self.metrics is not None:
+            self.metrics.log(self.step, {"skipped_steps": float(self.skipped_steps)})
+        if self.bad_in_a_row <= cfg.max_bad_steps:
+            return
+        advice = (f"lower lr (now {cfg.lr}), raise warmup_steps, keep grad_clip > 0, or "
+                  "check the data")
+        if not cfg.bad_step_rollback:
+            raise TrainingDiverged(
+                f"{self.bad_in_a_row} non-finite steps in a row (max_bad_steps="
+                f"{cfg.max_bad_steps}) at step {self.step}: {advice}; or set "
+                "bad_step_rollback=true to go back to the last checkpoint and continue on "
+                "other batches.")
+        self.roll_back(advice)
+
+    def roll_back(self, advice: str = "") -> None:
+        """Collective: reload the newest intact checkpoint (weights, optimizer, schedule, RNG)
+        and move the batch index past every batch used since, so training goes on with
+        batches it has not seen (the windows are a pure function of the index)."""
+        if self.is_deepspeed:
+            raise TrainingDiverged(f"non-finite steps under DeepSpeed: {advice}.")
+        path = self._choose_checkpoint() if self.checkpointing else None
+        if path is None:
+            raise TrainingDiverged(f"{self.bad_in_a_row} non-finite steps in a row at step "
+                                   f"{self.step} and no checkpoint to roll back to: {advice}.")
+        back_to = ckpt.read_trainer_state(path)["step"]
+        if self._rollback_from == back_to:
+            raise TrainingDiverged(f"{self.bad_in_a_row} non-finite steps in a row at step "
+                                   f"{self.step}, again after rolling back to step {back_to} "
+                                   f"onto other batches: {advice}.")
+        used = self.step + self.data_offset  # batches used so far, as step indices
+        acc = self.accelerator
+        state, _ = ckpt.load_checkpoint(path, self.unwrapped_model, self.optimizer,
+                                        self.scheduler, acc.process_index, acc.num_processes)
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.data_offset = used - self.step
+        self.bad_in_a_row = 0
+        self._rollback_from = self._saved_step = back_to
+        if self.is_main:
+            print(f"rolled back to {path} (step {back_to}); continuing on batches from index "
+                  f"{used} on", file=sys.stderr)
     def _window_metrics(self, rows: list[dict[str, float]], seconds: float) -> dict[str, float]:
         """Means over the steps since the last log, averaged over processes; tokens/s."""
         keys = ["train/loss", "train/lm_loss"] + (["train/aux_loss"] if "train/aux_loss" in
@@ -456,32 +613,68 @@ class Trainer:
     # --- checkpoints and export ----------------------------------------------------------
 
     def save_checkpoint(self) -> Path:
-        """Collective: every process writes its RNG and data-source state, main the rest."""
+        """Collective: every process writes its RNG and data-source state, main the rest.
+
+        A failed write on any process (full disk, I/O error, permissions) is agreed on by all:
+        main removes the temporary folder and every process raises
+        :class:`~mosaics.training.checkpoint.CheckpointWriteError` (earlier checkpoints are
+        left as they were)."""
         acc, run_dir, step = self.accelerator, self.run_dir, self.step
         if run_dir is None:
             raise ConfigError("checkpoint_interval > 0 needs a run_dir to write checkpoints to.")
-        if self.is_main:
-            ckpt.prepare_save(run_dir, step)
-        acc.wait_for_everyone()
         tmp = ckpt.tmp_dir(run_dir, step)
-        ckpt.save_rank_state(tmp, acc.process_index, self.batches.state_dict())
-        if self.is_deepspeed:  # weights and the ZeRO optimizer shards, one file per process
-            ckpt.save_deepspeed_state(tmp, self.model)
-        if self.is_main:
-            model = self.unwrapped_model
-            state = {"step": step, "tokens_seen": self.tokens_seen,
-                     "world_size": acc.num_processes, "accumulation": self.accumulation,
-                     "deepspeed": self.is_deepspeed, "config": self.cfg.to_dict(),
-                     "model_config": ckpt.model_config_dict(model.config)}
-            ckpt.save_main_state(tmp, None if self.is_deepspeed else model,
-                                 None if self.is_deepspeed else self.optimizer, self.scheduler,
-                                 state)
+        failure: OSError | None = None
+
+        def attempt(action: Any) -> None:
+            nonlocal failure
+            if failure is None:
+                try:
+                    action()
+                except OSError as err:
+                    failure = err
+            if self._agree(failure is not None)[0]:
+                if self.is_main:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise ckpt.CheckpointWriteError(self._save_failure(step, failure))
+
+        attempt(lambda: ckpt.prepare_save(run_dir, step) if self.is_main else None)
         acc.wait_for_everyone()
-        final = ckpt.checkpoint_root(run_dir) / ckpt.step_dir_name(step)
-        if self.is_main:
-            ckpt.finalize_save(run_dir, step, keep=self.cfg.keep_checkpoints)
-        acc.wait_for_everyone()
-        return final
+
+        def write_states() -> None:
+            ckpt.save_rank_state(tmp, acc.process_index, self.batches.state_dict())
+            if self.is_deepspeed:  # weights and the ZeRO optimizer shards, one file each
+                ckpt.save_deepspeed_state(tmp, self.model)
+            if self.is_main:
+                model = self.unwrapped_model
+                state = {"step": step, "tokens_seen": self.tokens_seen,
+                         "world_size": acc.num_processes, "accumulation": self.accumulation,
+                         "deepspeed": self.is_deepspeed, "config": self.cfg.to_dict(),
+                         "model_config": ckpt.model_config_dict(model.config),
+                         "schedule_steps": self.schedule_steps, "data_offset": self.data_offset}
+                ckpt.save_main_state(tmp, None if self.is_deepspeed else model,
+                                     None if self.is_deepspeed else self.optimizer,
+                                     self.scheduler, state)
+
+        attempt(write_states)
+        attempt(lambda: ckpt.finalize_save(run_dir, step, keep=self.cfg.keep_checkpoints)
+                if self.is_main else None)
+        self._saved_step = step
+        return ckpt.checkpoint_root(run_dir) / ckpt.step_dir_name(step)
+
+    def _save_failure(self, step: int, err: OSError | None) -> str:
+        """The one-line message of a failed save (``err``: this process's error, if any)."""
+        assert self.run_dir is not None
+        if err is None:
+            return (f"another process could not write its part of checkpoint "
+                    f"{ckpt.checkpoint_root(self.run_dir) / ckpt.step_dir_name(step)} (see its "
+                    "error); earlier checkpoints are intact.")
+        done = ckpt.list_checkpoints(self.run_dir)
+        if done:
+            estimate = ckpt.checkpoint_bytes(done[-1][1])
+        else:  # weights and two AdamW moments
+            estimate = 3 * sum(p.numel() * p.element_size()
+                               for p in self.unwrapped_model.parameters())
+        return ckpt.save_failure_message(self.run_dir, step, err, estimate)
 
     def export(self, final_dir: str | os.PathLike, tokenizer: Any = None) -> Path:
         """Collective: write a Hugging Face model directory (config, safetensors, tokenizer)

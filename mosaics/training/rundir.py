@@ -1,0 +1,179 @@
+"""The run directory on a shared cluster: one writer at a time, and what a repeated command finds.
+
+``<run_dir>/.lock`` names the process that trains into the folder (host, PID, SLURM job); a
+second run is refused while it lives. A lock is stale, and replaced, when its process is gone:
+same host and the PID no longer exists, or the same SLURM job id at another restart count (a
+requeued job is the next incarnation of the one that wrote it). A lock from another host
+cannot be checked and is refused with a message saying how to clear it.
+
+:func:`prepare_run_dir` decides what a command finds: intact checkpoints are resumed; files of
+an earlier run without one (or any earlier run under ``fresh_start``) are moved, never deleted,
+to ``<run_dir>/previous_runs/<UTC time>/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from . import checkpoint as ckpt
+
+LOCK_NAME = ".lock"
+PREVIOUS_RUNS = "previous_runs"
+
+
+def _identity() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(),
+            "slurm_job": os.environ.get("SLURM_JOB_ID"),
+            "slurm_restart": os.environ.get("SLURM_RESTART_COUNT"),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
+
+
+def stale_reason(holder: dict[str, Any], me: dict[str, Any]) -> str | None:
+    """Why the lock of ``holder`` no longer protects a live run (``None``: it may)."""
+    job = holder.get("slurm_job")
+    if job is not None and job == me["slurm_job"] \
+            and holder.get("slurm_restart") != me["slurm_restart"]:
+        return f"SLURM job {job} was requeued since it took the lock"
+    if holder.get("host") != me["host"]:
+        return None
+    pid = holder.get("pid")
+    if pid == me["pid"]:
+        return "this process took it earlier"
+    if not isinstance(pid, int) or not _pid_alive(pid):
+        return f"process {pid} no longer exists"
+    return None
+
+
+class RunLock:
+    """``<run_dir>/.lock``, created atomically (a complete file linked into place)."""
+
+    def __init__(self, run_dir: str | os.PathLike) -> None:
+        self.path = Path(run_dir) / LOCK_NAME
+        self.held = False
+
+    def acquire(self) -> str | None:
+        """Take the lock, replacing a stale one (returns a note saying so); raise
+        ``ConfigError`` naming the holder while another run may be using the folder."""
+        me = _identity()
+        note = None
+        for _ in range(3):
+            if self._create(me):
+                self.held = True
+                return note
+            holder = self._read()
+            if holder is None:  # vanished between the two calls: try again
+                continue
+            reason = stale_reason(holder, me)
+            if reason is None:
+                raise ConfigError(self._busy_message(holder, me))
+            note = (f"{self.path}: replaced the lock of PID {holder.get('pid')} on "
+                    f"{holder.get('host')} ({reason})")
+            self.path.unlink(missing_ok=True)
+        raise ConfigError(f"{self.path}: could not take the run lock (another process keeps "
+                          "taking it); make sure one run trains into this run_dir.")
+
+    def _create(self, me: dict[str, Any]) -> bool:
+        tmp = self.path.with_name(f"{LOCK_NAME}.{me['host']}.{me['pid']}")
+        tmp.write_text(json.dumps(me))
+        try:
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _read(self) -> dict[str, Any] | None:
+        try:
+            holder = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {"host": "?", "pid": "?"}
+        return holder if isinstance(holder, dict) else {"host": "?", "pid": "?"}
+
+    def _busy_message(self, holder: dict[str, Any], me: dict[str, Any]) -> str:
+        who = f"PID {holder.get('pid')} on host {holder.get('host')}"
+        if holder.get("slurm_job"):
+            who += f" (SLURM job {holder['slurm_job']})"
+        since = holder.get("since", "?")
+        if holder.get("host") == me["host"]:
+            fix = "wait for it to finish or stop it, or train into another run_dir"
+        else:
+            fix = (f"if no run is using this folder any more (check on {holder.get('host')}), "
+                   f"delete {self.path} and run the command again; or train into another "
+                   "run_dir")
+        return f"{self.path.parent} is in use by {who} since {since}: {fix}."
+
+    def release(self) -> None:
+        """Remove the lock if this process still holds it."""
+        if not self.held:
+            return
+        self.held = False
+        holder = self._read()
+        if holder is not None and holder.get("pid") == os.getpid() \
+                and holder.get("host") == socket.gethostname():
+            self.path.unlink(missing_ok=True)
+
+
+def previous_run_files(run_dir: Path) -> list[Path]:
+    """What an earlier run left in ``run_dir`` (all but the lock and ``previous_runs``)."""
+    if not run_dir.is_dir():
+        return []
+    return sorted(p for p in run_dir.iterdir()
+                  if p.name != PREVIOUS_RUNS and not p.name.startswith(LOCK_NAME))
+
+
+def move_aside(run_dir: Path, entries: list[Path]) -> Path:
+    """Move ``entries`` into ``<run_dir>/previous_runs/<UTC time>/`` (same filesystem: a
+    rename each) and return that folder."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = run_dir / PREVIOUS_RUNS / stamp
+    n = 1
+    while target.exists():
+        target = run_dir / PREVIOUS_RUNS / f"{stamp}-{n}"
+        n += 1
+    target.mkdir(parents=True)
+    for entry in entries:
+        os.replace(entry, target / entry.name)
+    return target
+
+
+def prepare_run_dir(run_dir: str | os.PathLike, fresh_start: bool) -> Path | None:
+    """Main process, holding the lock: leave an earlier run with an intact checkpoint in place
+    (the run resumes from it) unless ``fresh_start``; otherwise move an earlier run's files
+    aside. Returns the folder they were moved to, or ``None``."""
+    run_dir = Path(run_dir)
+    entries = previous_run_files(run_dir)
+    if not entries:
+        return None
+    if fresh_start:
+        reason = "fresh_start=true"
+    else:
+        newest, skipped = ckpt.find_resumable(run_dir)
+        if newest is not None:
+            return None
+        for warning in skipped:
+            print(f"warning: {warning}", file=sys.stderr)
+        reason = "it holds no intact checkpoint to resume"
+    target = move_aside(run_dir, entries)
+    print(f"{run_dir}: {reason}; moved the earlier run's files to {target}, starting fresh",
+          file=sys.stderr)
+    return target

@@ -1,0 +1,198 @@
+"""Preemption of a running job: a stop signal checkpoints and exits with status 75 (one process,
+2 gloo DDP ranks, DeepSpeed ZeRO-2 on CPU), and the same command run again (the requeued job)
+continues with the losses of an uninterrupted run."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mosaics.training import EXIT_PREEMPTED, load_config, train
+from mosaics.training import checkpoint as ckpt
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[1]
+# checkpoints only at the last step and on a signal; enough steps for a signal to land mid-run
+SETTINGS = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=2, max_steps=300,
+                warmup_steps=2, num_train_stories=120, vocab_size=280, eval_interval=100,
+                eval_windows=4, eval_batch_size=4, log_interval=1, checkpoint_interval=10000,
+                keep_checkpoints=3, progress_bar=False, sample_tokens=0, save_final=False,
+                tensorboard=False, dropout=0.0)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="0")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    for key in ("ACCELERATE_USE_CPU", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _metrics(run_dir: Path) -> dict[tuple[int, str], float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {(r["step"], k): v for r in rows for k, v in r.items()
+            if k in ("train/loss", "val/loss", "lr")}
+
+
+def _logged_steps(run_dir: Path) -> int:
+    try:
+        return len((run_dir / "metrics.jsonl").read_text().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+                found.append(int(entry.name))
+    return sorted(found)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run, in this process (it also fills the data cache)."""
+    base = tmp_path_factory.mktemp("preempt")
+    settings = dict(SETTINGS, data_cache_dir=str(base / "cache"))
+    train(load_config(None, dict(settings, run_dir=str(base / "reference"))))
+    return base, settings, _metrics(base / "reference")
+
+
+def _signal_mid_run(cmd: list[str], env: dict[str, str], run_dir: Path, sig: int,
+                    target: str = "launcher", second: int | None = None) -> tuple[int, str]:
+    """Start ``cmd``; once 20 steps are logged send ``sig`` to the launcher, or to one worker
+    (its child, ``target="worker"``), and ``second`` right after it; return its exit code and
+    output."""
+    log = run_dir.parent / f"{run_dir.name}.log"
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.time() + 400
+        while _logged_steps(run_dir) < 20:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.time() < deadline, "the run did not start:\n" + log.read_text()[-3000:]
+            time.sleep(0.02)
+        victim = proc.pid
+        if target == "worker":
+            workers = _children(proc.pid)
+            while len(workers) < 2 and target == "worker":  # accelerate: launcher -> torchrun
+                workers = _children(workers[0])
+            victim = workers[-1]  # not rank 0's process, as far as the order tells
+        os.kill(victim, sig)
+        if second is not None:
+            os.kill(victim, second)
+        code = proc.wait(timeout=300)
+    except BaseException:
+        _kill_group(proc)
+        raise
+    return code, log.read_text()
+
+
+def _check_stopped(run_dir: Path, world: int) -> int:
+    """The signal's checkpoint: complete, every process's state in it, before the last step."""
+    (step, path), = ckpt.list_checkpoints(run_dir)
+    assert ckpt.verify(path) is None
+    assert {f"rank_{r}.json" for r in range(world)} <= {p.name for p in path.iterdir()}
+    assert 20 <= step < SETTINGS["max_steps"]
+    return step
+
+
+def _check_requeued(run_dir: Path, out: str, step: int, reference: dict, tol: float) -> None:
+    assert f"at step {step}" in out, out[-3000:]
+    resumed = _metrics(run_dir)
+    assert set(resumed) == set(reference)
+    for key, value in reference.items():
+        assert resumed[key] == pytest.approx(value, abs=tol, rel=0), key
+
+
+def test_one_process_checkpoints_on_the_signal_and_the_same_command_resumes(reference) -> None:
+    base, settings, expected = reference
+    run_dir = base / "one"
+    cmd = [sys.executable, str(ROOT / "train.py"), *(f"{k}={v}" for k, v in settings.items()),
+           f"run_dir={run_dir}"]
+    code, out = _signal_mid_run(cmd, _env(), run_dir, signal.SIGUSR1)
+    assert code == EXIT_PREEMPTED, out[-3000:]
+    step = _check_stopped(run_dir, 1)
+    assert f"stopped by SIGUSR1 at step {step}: checkpoint" in out and "Traceback" not in out
+    assert not (run_dir / ".lock").exists()
+    again = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    _check_requeued(run_dir, again.stderr, step, expected, 1e-5)
+
+
+def test_a_second_signal_exits_at_once_without_a_checkpoint(reference) -> None:
+    base, settings, _ = reference
+    run_dir = base / "twice"
+    cmd = [sys.executable, str(ROOT / "train.py"), *(f"{k}={v}" for k, v in settings.items()),
+           f"run_dir={run_dir}"]
+    code, out = _signal_mid_run(cmd, _env(), run_dir, signal.SIGTERM, second=signal.SIGUSR1)
+    assert code in (128 + signal.SIGTERM, 128 + signal.SIGUSR1), out[-3000:]
+    assert "exiting now, without a checkpoint" in out
+    assert ckpt.list_checkpoints(run_dir) == []
+
+
+def test_two_gloo_ranks_agree_on_the_stop_step(reference) -> None:
+    """SIGUSR1 reaches one of two torchrun ranks only; both stop after the same step and write
+    one checkpoint; the same command continues it like the uninterrupted one-process run."""
+    base, settings, expected = reference
+    run_dir = base / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", str(ROOT / "train.py"), *(f"{k}={v}" for k, v in settings.items()),
+           f"run_dir={run_dir}", "batch_size=1"]
+    env = _env(ACCELERATE_USE_CPU="1")
+    code, out = _signal_mid_run(cmd, env, run_dir, signal.SIGUSR1, target="worker")
+    assert code != 0 and f"exitcode  : {EXIT_PREEMPTED}" in out, out[-3000:]
+    step = _check_stopped(run_dir, 2)
+    again = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert again.returncode == 0, again.stderr[-3000:]
+    _check_requeued(run_dir, again.stderr, step, expected, 1e-4)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+def test_deepspeed_ranks_checkpoint_on_the_signal(reference) -> None:
+    base, settings, expected = reference
+    run_dir = base / "zero2"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs/accelerate/deepspeed_zero2.yaml"), "--main_process_port",
+           str(_free_port()),
+           "--deepspeed_config_file", str(ROOT / "configs/deepspeed/zero2.json"),
+           str(ROOT / "train.py"), *(f"{k}={v}" for k, v in settings.items()),
+           f"run_dir={run_dir}", "batch_size=1"]
+    code, out = _signal_mid_run(cmd, _env(), run_dir, signal.SIGTERM, target="worker")
+    assert code != 0 and f"exitcode  : {EXIT_PREEMPTED}" in out, out[-3000:]
+    step = _check_stopped(run_dir, 2)
+    again = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True,
+                           timeout=500)
+    assert again.returncode == 0, again.stderr[-3000:]
+    _check_requeued(run_dir, again.stderr, step, expected, 1e-4)
