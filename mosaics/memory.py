@@ -357,7 +357,8 @@ class PersistentMemory(nn.Module):
         q = unit_vectors(kbar, NORM_EPS).transpose(0, 1).reshape(H, B * n, d // H)
         y = bank_attention(q, w.keys.to(q.dtype), w.values.to(q.dtype),
                            self.dropout if self.training else 0.0)
-        y = self.c_proj(y.view(H, B, n, d // H).permute(1, 2, 0, 3).reshape(B, n, d))
+        y = F.linear(y.view(H, B, n, d // H).permute(1, 2, 0, 3).reshape(B, n, d),
+                     self.c_proj.weight)
         if self.training:
             y = self.resid_dropout(y)
         if not use_cache:

@@ -161,11 +161,11 @@ def bank_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> T
     probabilities within ``STORED_PROBS_MAX_BYTES``), else :class:`_BankAttention` above
     ``BANK_BLOCK`` slots; otherwise the fused call, or two batched GEMVs for a few rows
     without gradients (decoding), where the fused call's set-up costs more than the work."""
+    if not torch.is_grad_enabled() and dropout_p == 0.0 and q.shape[1] <= SMALL_ROWS:
+        return torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)), dim=-1), v)
     training_cpu = (q.device.type == "cpu" and dropout_p == 0.0 and torch.is_grad_enabled()
                     and (q.requires_grad or k.requires_grad or v.requires_grad))
     if not training_cpu:
-        if dropout_p == 0.0 and q.shape[1] <= SMALL_ROWS and not torch.is_grad_enabled():
-            return torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)), dim=-1), v)
         return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=1.0,
                                               dropout_p=dropout_p)[0]
     if torch.is_autocast_enabled("cpu"):  # as F.scaled_dot_product_attention under autocast

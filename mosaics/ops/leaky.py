@@ -52,8 +52,8 @@ def leaky_average(x: Tensor, log_decay: Tensor, *, gain: Tensor | None = None,
             a = log_decay.view(H, 1) if log_decay.dim() == 1 else log_decay
             decay = torch.exp(-a.to(x.dtype))  # (H, 1) or (B, H, 1)
         step = x[:, :, 0] if gain is None else x[:, :, 0] * gain.to(x.dtype)
-        grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (initial, x, log_decay, gain))
+        grad = torch.is_grad_enabled() and (x.requires_grad or initial.requires_grad
+                                            or decay.requires_grad or step.requires_grad)
         last = torch.addcmul(step, initial, decay, out=None if grad else initial)
         return last.unsqueeze(2), last
     if gain is None and log_decay.dim() == 1 and documents is None:
