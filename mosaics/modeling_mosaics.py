@@ -204,7 +204,8 @@ class MosaicsModel(MosaicsPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         _check_attention_mask(attention_mask)
-        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        if use_cache is None:  # a training forward builds no decoding state unless asked
+            use_cache = self.config.use_cache and not self.training
         if self.gradient_checkpointing and self.training:
             use_cache = False
         if use_cache and cache is None:
