@@ -77,11 +77,11 @@ def test_the_batch_script_trains_two_ranks_and_resumes(tmp_path):
     assert "scontrol show hostnames node[1]" in calls and "requeue" not in calls
     run = tmp_path / "run"
     assert (run / "final" / "config.json").is_file()
-    # requeued: the same command continues from the newest checkpoint (step 2; the last step
-    # of a run is exported, not checkpointed)
+    # requeued: the same command continues from the newest checkpoint (step 4, the last step
+    # of the first run, which is checkpointed as well as exported)
     again, _ = _run(tmp_path, *tiny[:-1], "max_steps=6", tiny[-1])
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "step_0000002 at step 2" in again.stderr and "done: 6 steps" in again.stderr
+    assert "step_0000004 at step 4" in again.stderr and "done: 6 steps" in again.stderr
 
 
 @pytest.mark.integration
