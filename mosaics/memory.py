@@ -200,7 +200,7 @@ class ContextualMemory(nn.Module):
         (documents, long-term gap) when the memory uses visible intervals."""
         B, n, d = x.shape
         w = state.weights if state is not None else self.weights()
-        kv = F.linear(x, w.kv).view(B, n, 2, self.n_head, d // self.n_head)
+        kv = F.linear(x.reshape(B * n, d), w.kv).view(B, n, 2, self.n_head, d // self.n_head)
         k_raw, v_raw = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (B, H, n, hs)
         # keys: leaky sums continuing the state (restarted by a new document), unit norm
         initial = None if state is None else state.kbar
@@ -230,12 +230,14 @@ class ContextualMemory(nn.Module):
         else:
             y, memory = self.kernel.extend(state.memory, keys, entry_keys, values, w.beta)
             base = 0
-        y = F.linear(merge_heads(y), w.out)
+        y = F.linear(merge_heads(y).view(B * n, d), w.out).view(B, n, d)
         if self.training:
             y = self.resid_dropout(y)
         if not use_cache:
             return y, None
         last_key, last_v = (keys, v_raw) if n == 1 else (keys[:, :, -1:], v_raw[:, :, -1:])
+        if state is None:  # every decoding step mixes values with c: keep it shaped for that
+            w = w._replace(mix=w.mix.view(1, -1, 1, 1))
         return y, MemoryState(kbar=last, key=last_key, v_raw=last_v, memory=memory, base=base,
                               weights=w)
 

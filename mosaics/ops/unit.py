@@ -102,7 +102,7 @@ class _LookaheadValues(torch.autograd.Function):
 def lookahead_values(v: Tensor, mix: Tensor, previous: Tensor | None = None,
                      eps: float = 1e-6) -> Tensor:
     """Unit values v_s = unit((1 - c) v~_{s+1} + c v~_s) from raw values v~ (B, H, n, hs) and
-    the (H,) mix c.
+    the (H,) (or (1, H, 1, 1)) mix c.
 
     Without ``previous``: the values of entries 0..n-1 of a whole sequence, v~_n := 0.
     With ``previous`` (B, H, 1, hs), the raw value before v~_0 (decoding): the n values it
@@ -110,7 +110,8 @@ def lookahead_values(v: Tensor, mix: Tensor, previous: Tensor | None = None,
     """
     if previous is None:
         return _LookaheadValues.apply(v, mix, eps)
-    w = mix.view(1, -1, 1, 1).to(v.dtype)
+    w = mix if mix.dim() == 4 else mix.view(1, -1, 1, 1)
+    w = w if w.dtype == v.dtype else w.to(v.dtype)
     if v.shape[2] == 1:
         return unit_vectors(torch.lerp(v, previous, w), eps)
     pending = torch.cat([previous, v], dim=2)
