@@ -157,6 +157,7 @@ def strict_causal_mask(t: int, device: torch.device) -> Tensor:
 
 
 MIN_MEMORY_BUFFER = 64  # entries preallocated by the first append
+MEMORY_HEADROOM = 4  # a full buffer grows by 1/4 of the needed length (at least the minimum)
 
 
 def append_memory(state: KernelState, keys: Tensor, values: Tensor) -> KernelState:
@@ -172,11 +173,12 @@ def append_along_time(stored: Tensor, new: Tensor) -> Tensor:
 
     The result is a view of the first n + m entries of a preallocated (B, H, capacity, D)
     buffer. When ``stored`` is such a view and the buffer has room, the m new entries are
-    copied behind it (O(m)); otherwise a buffer of twice the needed length is allocated, so
-    appending one entry at a time costs amortised O(1) entries per step. The view returned
-    earlier keeps its length, but the entries behind it now belong to the new state: to
-    continue one state in two ways, ``copy.deepcopy`` it first. With gradients flowing into
-    the memory it falls back to ``torch.cat``.
+    copied behind it (O(m)); otherwise a buffer of 5/4 of the needed length is allocated, so
+    appending one entry at a time copies amortised O(1) (at most 5) entries per step while a
+    long prompt's memory grows by a quarter, not double, at the first decoding step. The
+    view returned earlier keeps its length, but the entries behind it now belong to the new
+    state: to continue one state in two ways, ``copy.deepcopy`` it first. With gradients
+    flowing into the memory it falls back to ``torch.cat``.
     """
     n, m = stored.shape[2], new.shape[2]
     if torch.is_grad_enabled() and (stored.requires_grad or new.requires_grad):
@@ -188,7 +190,8 @@ def append_along_time(stored: Tensor, new: Tensor) -> Tensor:
         buffer = stored._base
     if not _has_room(buffer, stored, n + m):
         B, H, _, D = stored.shape
-        buffer = stored.new_empty(B, H, max(2 * (n + m), MIN_MEMORY_BUFFER), D)
+        headroom = max((n + m) // MEMORY_HEADROOM, MIN_MEMORY_BUFFER)
+        buffer = stored.new_empty(B, H, n + m + headroom, D)
         buffer.memory_buffer = True  # marks buffers this function owns (never a caller's)
         buffer.narrow(2, 0, n).copy_(stored)
     buffer.narrow(2, n, m).copy_(new)
