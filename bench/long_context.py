@@ -7,13 +7,12 @@ Random tokens are drawn from 1 .. V - 1: token 0 separates v2's documents, so he
 sequence is one document as long as the context.
 
 ``--part train``: one step = forward + backward + AdamW update on ``--tokens`` tokens
-(batch = tokens / T, so every length does the same number of tokens per step). Peak memory
-is measured first, in a child process per (model, T): the largest resident set of the process
-(``VmHWM``) over two steps minus the resident set once the model is built, i.e.
-activations, gradients, AdamW's states and temporaries; a child that exceeds
-``--memory-limit-gib`` of address space reports "does not fit". The models that fit are then
-timed in this process, steps alternating between the models, and tokens/s is reported as a
-ratio to GPT-2's.
+(batch = tokens / T, so every length does the same number of tokens per step). All models
+live in this process. Each first runs one step alone that measures its peak memory: freed heap
+memory is handed back (``malloc_trim``), the peak resident set restarted
+(``/proc/self/clear_refs``), and the peak above the resident set before the step is reported
+(activations, gradients, AdamW's states, temporaries). Then the timed steps alternate between
+the models; tokens/s and memory are given as ratios to GPT-2's.
 
 ``--part generate``: a prompt of P tokens at batch b is prefilled once (timed), then
 ``--new-tokens`` greedy tokens are decoded one forward call at a time with the cache; time per
@@ -35,11 +34,8 @@ one thread with it); the wall clock keeps the median.
 from __future__ import annotations
 
 import argparse
-import json
+import ctypes
 import os
-import resource
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable
 
@@ -94,61 +90,49 @@ def resident_bytes() -> int:
 
 
 def peak_bytes() -> int:
-    """The peak resident set of this process (VmHWM; unlike ``ru_maxrss``, which a child
-    inherits from its parent across exec, it starts afresh in every process)."""
+    """The peak resident set of this process since the last :func:`reset_peak` (VmHWM)."""
     with open("/proc/self/status") as f:
         hwm = next(line for line in f if line.startswith("VmHWM:"))
     return int(hwm.split()[1]) * 1024  # kB
 
 
-def child_memory(args: argparse.Namespace) -> None:
-    """In a child process: build one model, run two training steps, print the peak resident
-    set above the built model's as JSON (or why it did not fit)."""
-    limit = int(args.memory_limit_gib * 2**30)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    name, T = args.child_memory[0], int(args.child_memory[1])
-    model = build(name, args, T).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = random_tokens(args.vocab, (args.tokens // T, T))
-    base = resident_bytes()
-    try:
-        for _ in range(2):
-            train_step(model, opt, ids)
-    except (MemoryError, RuntimeError) as e:  # torch reports a failed allocation as either
-        print(json.dumps({"fits": False, "error": str(e).splitlines()[0][:200]}))
-        return
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(json.dumps({"fits": True, "peak": peak_bytes() - base, "params": params}))
+def reset_peak() -> None:
+    """Give freed heap memory back to the system (glibc ``malloc_trim``), then restart the
+    peak resident set at the current one (``/proc/self/clear_refs``, Linux >= 4.0)."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
-def measure_memory(name: str, T: int, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, __file__, "--child-memory", name, str(T), "--tokens",
-           str(args.tokens), "--vocab", str(args.vocab), "--n-layer", str(args.n_layer),
-           "--n-embd", str(args.n_embd), "--n-head", str(args.n_head),
-           "--memory-limit-gib", str(args.memory_limit_gib)]
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    lines = run.stdout.strip().splitlines()
-    if run.returncode != 0 or not lines:
-        tail = (run.stderr.strip().splitlines() or ["killed"])[-1]
-        return {"fits": False, "error": f"exit {run.returncode}: {tail[:200]}"}
-    return json.loads(lines[-1])
+def train_length(names: Iterable[str], T: int, args: argparse.Namespace,
+                 clock: Callable[[], float]) -> tuple[dict[str, float], dict[str, float | str]]:
+    """(step seconds, peak bytes or why it failed) of each model at length T.
 
-
-def time_training(names: Iterable[str], T: int, args: argparse.Namespace,
-                  clock: Callable[[], float]) -> dict[str, float]:
-    """Step seconds of each model at length T (steps alternate between the models)."""
+    Every model first runs one step alone with the peak resident set restarted before it:
+    its peak above the resident set before the step is that step's activations, gradients,
+    AdamW's states and temporaries. Then ``--steps`` timed steps alternate between the models
+    that fit."""
     models = {n: build(n, args, T).train() for n in names}
     opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-4) for n, m in models.items()}
     ids = random_tokens(args.vocab, (args.tokens // T, T))
+    memory: dict[str, float | str] = {}
+    for n in list(models):
+        reset_peak()
+        base = resident_bytes()
+        try:
+            train_step(models[n], opts[n], ids)
+        except (MemoryError, RuntimeError) as e:  # torch reports a failed allocation as either
+            memory[n] = str(e).splitlines()[0][:120]
+            del models[n], opts[n]
+            continue
+        memory[n] = peak_bytes() - base
     times: dict[str, list[float]] = {n: [] for n in models}
-    for i in range(args.warmup + args.steps):
-        order = list(models) if i % 2 == 0 else list(models)[::-1]
-        for n in order:
+    for i in range(args.steps):
+        for n in list(models) if i % 2 == 0 else list(models)[::-1]:
             t0 = clock()
             train_step(models[n], opts[n], ids)
-            if i >= args.warmup:
-                times[n].append(clock() - t0)
-    return {n: summarize(t, clock) for n, t in times.items()}
+            times[n].append(clock() - t0)
+    return {n: summarize(t, clock) for n, t in times.items()}, memory
 
 
 def gib(n: float) -> str:
@@ -157,28 +141,25 @@ def gib(n: float) -> str:
 
 def run_train(args: argparse.Namespace, clock: Callable[[], float]) -> None:
     print(f"training: {args.tokens} tokens per step (batch = tokens / T), AdamW, "
-          f"{'fastest' if args.clock == 'cpu' else 'median'} of {args.steps} steps after "
-          f"{args.warmup}; memory limit {args.memory_limit_gib} GiB per child\n")
+          f"{'fastest' if args.clock == 'cpu' else 'median'} of {args.steps} timed step(s) "
+          f"after the memory step\n")
     header = (f"{'T':>6} {'batch':>5} {'model':<16}{'step s':>9}{'tok/s':>9}{'/GPT-2':>8}"
               f"{'peak GiB':>10}{'/GPT-2':>8}")
     print(header)
     print("-" * len(header))
     for T in args.lengths:
-        mem = {n: measure_memory(n, T, args) for n in args.models}
-        fit = [n for n in args.models if mem[n]["fits"]]
-        step = time_training(fit, T, args, clock) if fit else {}
+        step, mem = train_length(args.models, T, args, clock)
+        base = mem.get(BASELINE)
+        lead = f"{T:>6} {args.tokens // T:>5}"
         for n in args.models:
-            if not mem[n]["fits"]:
-                print(f"{T:>6} {args.tokens // T:>5} {n:<16}  does not fit: {mem[n]['error']}",
-                      flush=True)
+            if isinstance(mem[n], str):
+                print(f"{lead} {n:<16}  does not fit: {mem[n]}", flush=True)
                 continue
-            tok = args.tokens / step[n]
-            ratio = ("" if n == BASELINE or BASELINE not in step
-                     else f"{step[BASELINE] / step[n]:.2f}")
-            mratio = ("" if n == BASELINE or not mem.get(BASELINE, {}).get("fits")
-                      else f"{mem[n]['peak'] / mem[BASELINE]['peak']:.2f}")
-            print(f"{T:>6} {args.tokens // T:>5} {n:<16}{step[n]:>9.2f}{tok:>9.0f}{ratio:>8}"
-                  f"{gib(mem[n]['peak']):>10}{mratio:>8}", flush=True)
+            ratio = "" if n == BASELINE or BASELINE not in step else \
+                f"{step[BASELINE] / step[n]:.2f}"
+            mratio = "" if n == BASELINE or not isinstance(base, int) else f"{mem[n] / base:.2f}"
+            print(f"{lead} {n:<16}{step[n]:>9.2f}{args.tokens / step[n]:>9.0f}{ratio:>8}"
+                  f"{gib(mem[n]):>10}{mratio:>8}", flush=True)
 
 
 def storage_bytes(obj: object, seen: set[int], weights: bool = False) -> tuple[int, int]:
@@ -257,9 +238,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per training step")
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--memory-limit-gib", type=float, default=16.0)
+    ap.add_argument("--steps", type=int, default=1, help="timed steps per model, after the "
+                    "one that measures its memory")
     ap.add_argument("--prompts", type=int, nargs="+", default=[512, 2048, 8192, 16384])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -268,12 +248,8 @@ def main() -> None:
     ap.add_argument("--n-embd", type=int, default=256)
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--child-memory", nargs=2, metavar=("MODEL", "T"), help=argparse.SUPPRESS)
     add_clock_option(ap)
     args = ap.parse_args()
-    if args.child_memory:
-        child_memory(args)
-        return
     bad = [T for T in args.lengths if args.tokens % T]
     if args.part == "train" and bad:
         ap.error(f"--tokens {args.tokens} is not a multiple of the lengths {bad}: every length "

@@ -56,6 +56,10 @@ class MosaicsConfig(PretrainedConfig):
             ``document_separator_id`` token (or where the ``document_ids`` passed to forward
             change), so packed windows do not mix stories.
         document_separator_id: token that ends a document; ``None``: ``eos_token_id``.
+        alibi: add the ALiBi position bias -m_h (t - s) to the contextual memory's kernel
+            scores beta cos(k_t, k_s) before the kernel (standard per-head slopes m_h; any
+            kernel with a score normalizer, i.e. all built-in ones but FSKA; the v1 memory,
+            without per-query intervals). See :mod:`mosaics.kernels.position_bias`.
     """
 
     model_type = "mosaics"
@@ -93,6 +97,7 @@ class MosaicsConfig(PretrainedConfig):
         document_masking: bool = False,
         document_separator_id: int | None = None,
         initializer_seed: int = 0,
+        alibi: bool = False,
         tie_word_embeddings: bool = True,
         use_cache: bool = True,
         pad_token_id: int | None = None,
@@ -126,6 +131,7 @@ class MosaicsConfig(PretrainedConfig):
         self.document_masking = bool(document_masking)
         self.document_separator_id = document_separator_id
         self.initializer_seed = initializer_seed
+        self.alibi = alibi
         self.use_cache = use_cache
         self.tie_word_embeddings = tie_word_embeddings
         self.pad_token_id = pad_token_id
@@ -161,6 +167,12 @@ class MosaicsConfig(PretrainedConfig):
             if not 0.0 <= float(value) < 1.0:
                 raise ValueError(f"MosaicsConfig.{name} must be in [0, 1), got {value!r}.")
         self.validate_memory_levels()
+        if not isinstance(self.alibi, bool):
+            raise ValueError(f"MosaicsConfig.alibi must be True or False, got {self.alibi!r}.")
+        if self.alibi and self.uses_visibility:
+            raise ValueError("MosaicsConfig.alibi works with the v1 contextual memory only: "
+                             "turn off adaptive_bandwidth, three_level_memory and "
+                             "document_masking, or alibi.")
         if not isinstance(self.kernel, str):
             raise ValueError(f"MosaicsConfig.kernel must be a kernel name, got {self.kernel!r}.")
 

@@ -14,6 +14,7 @@ Contextual memory (replaces self-attention), per head h, with x_t the LayerNorm'
   beta = beta1 n^alpha + beta0 of the n entries a query sees; a short-term memory
   (S_t = the last h - 1 entries) beside a long-term one (S_t = {s <= t - m}), summed; document
   masking (S_t and the leaky sums restart at each document). :mod:`mosaics.positions` gives S_t.
+- ``alibi``: the scores become beta k_t . k_s - m_h (t - s) (:mod:`mosaics.kernels.position_bias`).
 
 Persistent memory (replaces the MLP): the same leaky-averaged unit key queries learned banks,
 y_t = e^{10 q'_h} softmax(beta'_h k_t M_k^T) M_v; or, as in v2, a SwiGLU W2 (SiLU(W1 x) * W3 x).
@@ -36,6 +37,7 @@ from .cache import BankState, ContextualWeights, MemoryState, PersistentWeights
 from .configuration_mosaics import MosaicsConfig
 from .kernels import Kernel, get_kernel
 from .kernels.base import append_memory
+from .kernels.position_bias import alibi_slopes, biased_retrieval, supports_score_bias
 from .ops import bank_attention, decay_rate, leaky_average, lookahead_values, unit_vectors
 from .positions import Positions, visible_interval
 
@@ -164,6 +166,12 @@ class ContextualMemory(nn.Module):
         self.kernel: Kernel = get_kernel(config.kernel, **config.kernel_kwargs)
         self.kernel.build(H, config.head_size)
         self.kernel.dropout = config.attn_dropout
+        if config.alibi and not supports_score_bias(self.kernel):
+            raise ValueError(f"MosaicsConfig.alibi needs a kernel with a score normalizer "
+                             f"(weights / weights_backward); kernel {config.kernel!r} has "
+                             f"none. Use a score kernel (e.g. gaussian, epanechnikov) or "
+                             f"alibi=False.")
+        self.alibi = config.alibi
         self.c_proj = nn.Linear(d, d, bias=False)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.reset_scalars()
@@ -221,15 +229,19 @@ class ContextualMemory(nn.Module):
         if self.intervals:
             y, memory, base = self.attend(keys, entry_keys, values, w, pos, state, use_cache)
         elif state is None:
-            y = self.kernel(keys, values, w.beta)
+            y = self.retrieve(keys, values, w.beta)
             memory, base = None, 0
             if use_cache:  # the memory holds s < n - 1; v_{n-1} waits for x_n
                 memory = self.kernel.init_state(B, self.n_head, keys.shape[-1], x.device,
                                                 values.dtype)
                 memory = self.kernel.prefill_state(memory, keys[:, :, :-1], values[:, :, :-1])
-        else:
+        elif not self.alibi:
             y, memory = self.kernel.extend(state.memory, keys, entry_keys, values, w.beta)
             base = 0
+        else:  # the memory holds entries 0 .. p0 + n - 2; query i sits at p0 + i
+            memory, base = append_memory(state.memory, entry_keys, values), 0
+            y = biased_retrieval(self.kernel, keys, memory["keys"], memory["values"], w.beta,
+                                 self.slopes(), memory["keys"].shape[2] - n)
         y = F.linear(merge_heads(y).view(B * n, d), w.out).view(B, n, d)
         if self.training:
             y = self.resid_dropout(y)
@@ -240,6 +252,19 @@ class ContextualMemory(nn.Module):
             w = w._replace(mix=w.mix.view(1, -1, 1, 1))
         return y, MemoryState(kbar=last, key=last_key, v_raw=last_v, memory=memory, base=base,
                               weights=w)
+
+    def retrieve(self, keys: Tensor, values: Tensor, beta: Tensor) -> Tensor:
+        """The kernel's strict-past retrieval of a whole sequence (B, H, T, hs), with the
+        ALiBi bias on the scores when the config asks for it."""
+        if not self.alibi:
+            return self.kernel(keys, values, beta)
+        y = biased_retrieval(self.kernel, keys[:, :, 1:], keys[:, :, :-1], values[:, :, :-1],
+                             beta, self.slopes(), 0)
+        return F.pad(y, (0, 0, 1, 0))  # row 0: no memory
+
+    def slopes(self) -> Tensor:
+        """The ALiBi slopes m_h (H,): fixed by n_head, so neither trained nor saved."""
+        return alibi_slopes(self.n_head).to(self.lookahead_c)
 
     def attend(self, keys: Tensor, entry_keys: Tensor, values: Tensor, w: ContextualWeights,
                pos: Positions | None, state: MemoryState | None,

@@ -87,6 +87,13 @@ def contextual_memory_reference(mem: ContextualMemory, x: Tensor, gap: int = 1,
                 else:
                     beta = bandwidth(mem.bandwidth_b)[h]
                 scores = torch.stack([keys[t] @ keys[s] for s in seen])
+                if mem.alibi:  # beta cos - m (t - s), in cosine units
+                    dist = torch.tensor([t - s for s in seen], dtype=x.dtype)
+                    if H & (H - 1):
+                        raise NotImplementedError("the reference's ALiBi slopes need a "
+                                                  "power-of-two number of heads")
+                    slope = 2.0 ** (-8.0 * (h + 1) / H)
+                    scores = scores - slope * dist / beta
                 w = _row_weights(mem, scores, beta)
                 out[b, t, h] = scale[h] * sum(w[i] * vals[s] for i, s in enumerate(seen))
     return out.reshape(B, T, d) @ mem.c_proj.weight.T

@@ -307,3 +307,29 @@ def test_submitit_local_executor_runs_skips_and_merges_like_the_local_runner(tmp
     again = sweep.run_sweep([done_before, todo], tmp_path, report=lines.append,
                             executor="submitit-local")
     assert again["skipped"] == [done_before, todo] and not again["finished"]
+
+
+def test_alibi_is_a_row_of_the_same_table(tmp_path):
+    plain = sweep.make_job("mqmtar", "epanechnikov", 0, preset="cpu")
+    biased = sweep.make_job("mqmtar", "epanechnikov", 0, preset="cpu", overrides={"alibi": True})
+    assert biased.setting == plain.setting and biased.name != plain.name
+    assert biased.label == "mosaics/epanechnikov +alibi"
+    from mosaics.evaluation import paper
+    assert paper.extrapolation_cell("mqmtar", biased.label, 64 * 64) == 0.14
+    assert paper.extrapolation_cell("mqmtar", plain.label, 64 * 64) == 0.31
+    assert paper.extrapolation_cell("mqmtar", biased.label, 64 * 8) is None  # not reported
+    _fake_extrapolation(tmp_path, plain, 0.8)
+    _fake_extrapolation(tmp_path, biased, 0.6)
+    text = sweep.summarize(tmp_path, plot=False)
+    assert "| mosaics/epanechnikov | 0.800 (1.00) |" in text
+    assert "| mosaics/epanechnikov +alibi | 0.600 |" in text
+
+
+def test_an_alibi_job_trains_the_biased_model(tmp_path):
+    from mosaics.evaluation import experiments
+
+    proto = experiments.with_overrides(experiments.EXTRAPOLATION_PRESETS["cpu"], alibi=True)
+    model = experiments.extrapolation_model("mqmtar", "mosaics", "epanechnikov", proto, None, 99)
+    assert model.config.alibi
+    with pytest.raises(ValueError, match="alibi is an option"):
+        experiments.extrapolation_model("mqmtar", "llama", None, proto, None, 99)

@@ -81,6 +81,7 @@ class ExtrapolationProtocol:
     n_layer: int | None = None  # None: the task's default (Sort 2, MQMTAR 4)
     dropout: float = 0.0
     eval_tokens: int = 32768  # tokens per evaluation batch
+    alibi: bool = False  # ALiBi on Memory Mosaics' kernel scores (MosaicsConfig.alibi)
 
 
 EXTRAPOLATION_PRESETS = {
@@ -280,10 +281,14 @@ def extrapolation_model(task: str, arch: str, kernel: str | None,
     if arch == "gpt2":
         raise ValueError("gpt2 has a learned position table and cannot be scored past its "
                          "training lengths; use the rotary-position baseline, llama")
+    if proto.alibi and not is_mosaics(arch):
+        raise ValueError(f"alibi is an option of Memory Mosaics' contextual memory; {arch} has "
+                         "its own positions: drop alibi for this model")
     spec = tasks.TASKS[task]
+    extra = {"alibi": True} if proto.alibi else {}
     cfg = model_config(arch, spec.vocab_size, proto.n_layer or spec.n_layer, proto.n_embd,
                        proto.n_head, None, kernel or "gaussian", kernel_kwargs, proto.dropout,
-                       2 * proto.max_len + 3 if is_mosaics(arch) else longest)
+                       2 * proto.max_len + 3 if is_mosaics(arch) else longest, **extra)
     return causal_lm(cfg)
 
 

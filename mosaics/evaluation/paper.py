@@ -43,6 +43,8 @@ EXTRAPOLATION: dict[str, dict[str, dict[int, float]]] = {
         "epanechnikov": {1: 1.00, 8: .98, 16: .86, 32: .63, 64: .31},
         "biweight": {1: 1.00, 8: .95, 16: .75, 32: .51, 64: .23},
         "triweight": {1: 1.00, 8: .97, 16: .89, 32: .61, 64: .25},
+        # the position-bias ablation: the paper reports epanechnikov + ALiBi at 64x only
+        "epanechnikov+alibi": {64: .14},
     },
     "sort": {
         "transformer": {1: 1.00, 2: .00, 4: .00},
@@ -65,12 +67,14 @@ def paper_row(label: str) -> str | None:
     if model in ("gpt2", "llama"):
         return "transformer"
     arch, _, kernel = model.partition("/")
-    return kernel if arch == "mosaics" and kernel in REGBENCH else None
+    if arch != "mosaics" or kernel not in REGBENCH:
+        return None
+    return f"{kernel}+alibi" if label.endswith(" +alibi") else kernel
 
 
 def regbench_cell(label: str, size: int) -> tuple[float, float] | None:
     row = paper_row(label)
-    return None if row is None else REGBENCH[row].get(size)
+    return None if row is None else REGBENCH.get(row, {}).get(size)
 
 
 def extrapolation_cell(task: str, label: str, length: int) -> float | None:

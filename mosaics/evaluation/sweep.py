@@ -37,6 +37,9 @@ from .models import MOSAICS_ARCHS, is_mosaics
 TASKS = ("regbench", "sort", "mqmtar")
 BASELINE_ARCHS = ("gpt2", "llama")
 LOG_TAIL = 4000  # characters of a failed job's log kept in its failure record
+# overrides that change the model, not the protocol: they go into the job's label and name,
+# so such a model is a row of the same table as the models without them
+MODEL_OVERRIDES = ("alibi",)
 
 
 @dataclass(frozen=True)
@@ -68,14 +71,17 @@ class Job:
         if self.model_dir is not None:
             return self.model_dir
         extra = ",".join(f"{k}={v}" for k, v in sorted(self.kernel_kwargs.items()))
-        return f"{self.model} ({extra})" if extra else self.model
+        label = f"{self.model} ({extra})" if extra else self.model
+        return f"{label} +alibi" if self.overrides.get("alibi") else label
 
     @property
     def setting(self) -> str:
-        """Preset plus a short digest of the overrides: jobs of one setting share a table."""
-        if not self.overrides:
+        """Preset plus a short digest of the protocol overrides: jobs of one setting share a
+        table."""
+        protocol = {k: v for k, v in self.overrides.items() if k not in MODEL_OVERRIDES}
+        if not protocol:
             return self.preset
-        text = json.dumps(self.overrides, sort_keys=True, default=str)
+        text = json.dumps(protocol, sort_keys=True, default=str)
         return f"{self.preset}+{hashlib.sha1(text.encode()).hexdigest()[:6]}"
 
     @property
@@ -86,6 +92,7 @@ class Job:
             digest = hashlib.sha1(self.model_dir.encode()).hexdigest()[:6]
             parts.append(f"{Path(self.model_dir).name}-{digest}")
         parts += [f"{k}{v}" for k, v in sorted(self.kernel_kwargs.items())]
+        parts += [k for k in MODEL_OVERRIDES if self.overrides.get(k)]
         if self.size is not None:
             parts.append(f"n{self.size}")
         parts += [f"s{self.seed}", self.setting.replace("+", "-")]

@@ -135,6 +135,19 @@ class Kernel(nn.Module):
             out.append(torch.cat(rows, dim=2) if rows else values.new_zeros(B, H, 0, hv))
         return torch.cat(out, dim=0)
 
+    def weights(self, cos: Tensor, beta: Tensor, mask: Tensor) -> Tensor:
+        """The normalizer as a function of a block of cosines: (B, H, n, S) cosines, (1, H, 1,
+        1) bandwidth, bool mask broadcastable to the cosines -> (B, H, n, S) weights of the
+        scores beta * cos, 0 where masked. Optional: a kernel that has it (with
+        :meth:`weights_backward`) supports position biases on its scores
+        (:mod:`.position_bias`)."""
+        raise NotImplementedError(f"kernel {self.name!r} has no score normalizer")
+
+    def weights_backward(self, p: Tensor, dp: Tensor, cos: Tensor, beta: Tensor,
+                         mask: Tensor) -> tuple[Tensor, Tensor]:
+        """(d cos, d beta summed to beta's shape) given the weights p and their gradient dp."""
+        raise NotImplementedError(f"kernel {self.name!r} has no score normalizer")
+
     def regularization(self) -> Tensor | None:
         """An extra training loss term of this kernel (e.g. FSKA's KL), or None."""
         return None

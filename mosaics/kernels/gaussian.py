@@ -55,6 +55,16 @@ class GaussianKernel(Kernel):
         # so merging the heads afterwards is a view instead of a copy
         return F.pad(y.transpose(1, 2), (0, 0, 0, 0, 1, 0)).transpose(1, 2)
 
+    def weights(self, cos: Tensor, beta: Tensor, mask: Tensor) -> Tensor:
+        """softmax(beta * cos) over the unmasked entries; a row with none is 0."""
+        z = (cos * beta).masked_fill(~mask, float("-inf"))
+        return torch.softmax(z, dim=-1).nan_to_num(0.0)
+
+    def weights_backward(self, p: Tensor, dp: Tensor, cos: Tensor, beta: Tensor,
+                         mask: Tensor) -> tuple[Tensor, Tensor]:
+        dz = p * (dp - (p * dp).sum(dim=-1, keepdim=True))
+        return dz * beta, (dz * cos.masked_fill(~mask, 0.0)).sum_to_size(beta.shape)
+
     def extend(self, state: KernelState, queries: Tensor, keys: Tensor, values: Tensor,
                beta: Tensor) -> tuple[Tensor, KernelState]:
         state = append_memory(state, keys, values)
