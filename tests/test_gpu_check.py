@@ -110,3 +110,32 @@ def test_bank_bound_stored_scheme_matches_bank_attention() -> None:
     got = module.stored_attention(q.detach(), k.detach(), v.detach(), g, rows=16)
     for mine, ref in zip(got, (out, q.grad, k.grad, v.grad), strict=True):
         torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_long_context_bench_measures_memory_and_cache_bytes() -> None:
+    """bench/long_context.py at tiny sizes: a step time and a peak for every model, GPT-2's
+    cache counted to the byte, a view counted once and step-form weights apart."""
+    import argparse
+    import time
+    from typing import NamedTuple
+
+    import torch
+
+    bench = load_bench("long_context")
+    args = argparse.Namespace(vocab=64, n_layer=2, n_head=2, n_embd=16, tokens=64, steps=1)
+    step, memory = bench.train_length(["v1-gaussian", "gpt2"], 32, args, time.process_time)
+    assert set(step) == set(memory) == {"v1-gaussian", "gpt2"}
+    assert all(s > 0 for s in step.values()) and all(isinstance(m, int) for m in memory.values())
+
+    prompt = bench.random_tokens(64, (3, 10))
+    gpt2 = bench.build("gpt2", args, 32).eval()
+    prefill, per_token, (state, weights) = bench.decode(gpt2, prompt, 4, time.process_time)
+    assert prefill > 0 and per_token > 0 and weights == 0
+    assert state == 2 * 2 * 3 * 2 * (10 + 4) * 8 * 4  # keys and values, fp32, every layer
+
+    class Pair(NamedTuple):
+        a: torch.Tensor
+
+    x = torch.zeros(100)
+    assert bench.storage_bytes({"x": x, "view": x[:10], "w": Pair(torch.zeros(5))},
+                               set()) == (400, 20)
