@@ -60,6 +60,9 @@ class MosaicsConfig(PretrainedConfig):
             scores beta cos(k_t, k_s) before the kernel (standard per-head slopes m_h; any
             kernel with a score normalizer, i.e. all built-in ones but FSKA; the v1 memory,
             without per-query intervals). See :mod:`mosaics.kernels.position_bias`.
+        embedding_init_std: standard deviation of the token embedding's N(0, s^2) init (tied
+            to the output head). 1.0 is the Memory Mosaics reference; n_embd ** -0.5 is what a
+            tied head's Linear init gives (the sparse-kernel paper's synthetic-task code).
     """
 
     model_type = "mosaics"
@@ -98,6 +101,7 @@ class MosaicsConfig(PretrainedConfig):
         document_separator_id: int | None = None,
         initializer_seed: int = 0,
         alibi: bool = False,
+        embedding_init_std: float = 1.0,
         tie_word_embeddings: bool = True,
         use_cache: bool = True,
         pad_token_id: int | None = None,
@@ -132,6 +136,7 @@ class MosaicsConfig(PretrainedConfig):
         self.document_separator_id = document_separator_id
         self.initializer_seed = initializer_seed
         self.alibi = alibi
+        self.embedding_init_std = embedding_init_std
         self.use_cache = use_cache
         self.tie_word_embeddings = tie_word_embeddings
         self.pad_token_id = pad_token_id
@@ -167,6 +172,10 @@ class MosaicsConfig(PretrainedConfig):
             if not 0.0 <= float(value) < 1.0:
                 raise ValueError(f"MosaicsConfig.{name} must be in [0, 1), got {value!r}.")
         self.validate_memory_levels()
+        std = self.embedding_init_std
+        if isinstance(std, bool) or not isinstance(std, (int, float)) or not std > 0:
+            raise ValueError("MosaicsConfig.embedding_init_std must be a number > 0 (1.0: the "
+                             f"reference init; n_embd ** -0.5: a tied head's), got {std!r}.")
         if not isinstance(self.alibi, bool):
             raise ValueError(f"MosaicsConfig.alibi must be True or False, got {self.alibi!r}.")
         if self.alibi and self.uses_visibility:

@@ -119,14 +119,15 @@ class MosaicsPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """Reference init: Linear N(0, 1/fan_in), c_proj N(0, 1/(fan_in n_layer)), wte N(0, 1)."""
+        """Reference init: Linear N(0, 1/fan_in), c_proj N(0, 1/(fan_in n_layer)), wte N(0, s^2)
+        with s = ``config.embedding_init_std`` (1 by default)."""
         if isinstance(module, nn.Linear):
             fan_in = module.weight.shape[1]
             nn.init.normal_(module.weight, mean=0.0, std=1.0 / math.sqrt(fan_in))
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=1.0)
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.embedding_init_std)
         elif isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
         elif isinstance(module, (ContextualMemory, PersistentMemory)):

@@ -82,6 +82,8 @@ class ExtrapolationProtocol:
     dropout: float = 0.0
     eval_tokens: int = 32768  # tokens per evaluation batch
     alibi: bool = False  # ALiBi on Memory Mosaics' kernel scores (MosaicsConfig.alibi)
+    # token-embedding init std of Memory Mosaics (MosaicsConfig.embedding_init_std); None: 1.0
+    embedding_init_std: float | None = None
 
 
 EXTRAPOLATION_PRESETS = {
@@ -285,7 +287,12 @@ def extrapolation_model(task: str, arch: str, kernel: str | None,
         raise ValueError(f"alibi is an option of Memory Mosaics' contextual memory; {arch} has "
                          "its own positions: drop alibi for this model")
     spec = tasks.TASKS[task]
-    extra = {"alibi": True} if proto.alibi else {}
+    extra: dict[str, Any] = {"alibi": True} if proto.alibi else {}
+    if proto.embedding_init_std is not None:
+        if not is_mosaics(arch):
+            raise ValueError(f"embedding_init_std is a Memory Mosaics option; {arch} keeps its "
+                             "own init: drop embedding_init_std for this model")
+        extra["embedding_init_std"] = float(proto.embedding_init_std)
     cfg = model_config(arch, spec.vocab_size, proto.n_layer or spec.n_layer, proto.n_embd,
                        proto.n_head, None, kernel or "gaussian", kernel_kwargs, proto.dropout,
                        2 * proto.max_len + 3 if is_mosaics(arch) else longest, **extra)
