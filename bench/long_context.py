@@ -40,7 +40,13 @@ import time
 from collections.abc import Callable, Iterable
 
 import torch
-from timing import add_clock_option, get_clock, summarize
+from timing import (
+    add_clock_option,
+    add_denormal_option,
+    apply_denormal_option,
+    get_clock,
+    summarize,
+)
 from transformers import GPT2LMHeadModel, LlamaForCausalLM, PreTrainedModel
 
 from mosaics import MosaicsConfig, MosaicsForCausalLM
@@ -139,6 +145,11 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
 
+def ratio(x: float, base: float | None) -> str:
+    """x / base to two decimals, blank without a base (the baseline's own row)."""
+    return "" if base is None else f"{x / base:.2f}"
+
+
 def run_train(args: argparse.Namespace, clock: Callable[[], float]) -> None:
     print(f"training: {args.tokens} tokens per step (batch = tokens / T), AdamW, "
           f"{'fastest' if args.clock == 'cpu' else 'median'} of {args.steps} timed step(s) "
@@ -155,11 +166,12 @@ def run_train(args: argparse.Namespace, clock: Callable[[], float]) -> None:
             if isinstance(mem[n], str):
                 print(f"{lead} {n:<16}  does not fit: {mem[n]}", flush=True)
                 continue
-            ratio = "" if n == BASELINE or BASELINE not in step else \
-                f"{step[BASELINE] / step[n]:.2f}"
-            mratio = "" if n == BASELINE or not isinstance(base, int) else f"{mem[n] / base:.2f}"
-            print(f"{lead} {n:<16}{step[n]:>9.2f}{args.tokens / step[n]:>9.0f}{ratio:>8}"
-                  f"{gib(mem[n]):>10}{mratio:>8}", flush=True)
+            own = n == BASELINE
+            speed = ratio(step.get(BASELINE, 0.0), None if own or BASELINE not in step
+                          else step[n])
+            memory = ratio(mem[n], None if own or not isinstance(base, int) else base)
+            print(f"{lead} {n:<16}{step[n]:>9.2f}{args.tokens / step[n]:>9.0f}{speed:>8}"
+                  f"{gib(mem[n]):>10}{memory:>8}", flush=True)
 
 
 def storage_bytes(obj: object, seen: set[int], weights: bool = False) -> tuple[int, int]:
@@ -224,10 +236,11 @@ def run_generate(args: argparse.Namespace, clock: Callable[[], float]) -> None:
                        v[0][2]) for n, v in res.items()}
             base = row.get(BASELINE)
             for n, (prefill, per_token, (size, fixed)) in row.items():
-                ratio = "" if n == BASELINE or base is None else f"{base[1] / per_token:.2f}"
-                mratio = "" if n == BASELINE or base is None else f"{size / base[2][0]:.2f}"
+                own = n == BASELINE or base is None
+                speed = ratio(base[1] if base else 0.0, None if own else per_token)
+                memory = ratio(size, None if own else base[2][0])
                 print(f"{P:>6} {b:>5} {n:<16}{prefill:>10.2f}{1e3 * per_token:>10.2f}"
-                      f"{ratio:>9}{size / 2**20:>11.1f}{mratio:>8}{fixed / 2**20:>9.1f}",
+                      f"{speed:>9}{size / 2**20:>11.1f}{memory:>8}{fixed / 2**20:>9.1f}",
                       flush=True)
         del models
 
@@ -249,14 +262,16 @@ def main() -> None:
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=4096)
     add_clock_option(ap)
+    add_denormal_option(ap)
     args = ap.parse_args()
     bad = [T for T in args.lengths if args.tokens % T]
     if args.part == "train" and bad:
         ap.error(f"--tokens {args.tokens} is not a multiple of the lengths {bad}: every length "
                  f"must do the same tokens per step")
     clock = get_clock(args.clock)
+    denormals = apply_denormal_option(args)
     print(f"threads={torch.get_num_threads()}, clock={args.clock}, {args.n_layer} layers, "
-          f"d {args.n_embd}, {args.n_head} heads, vocab {args.vocab}, fp32, "
+          f"d {args.n_embd}, {args.n_head} heads, vocab {args.vocab}, fp32, {denormals}, "
           f"{time.strftime('%Y-%m-%d')}")
     (run_train if args.part == "train" else run_generate)(args, clock)
 

@@ -30,7 +30,14 @@ import argparse
 import time
 
 import torch
-from timing import add_clock_option, best_of, get_clock, summarize
+from timing import (
+    add_clock_option,
+    add_denormal_option,
+    apply_denormal_option,
+    best_of,
+    get_clock,
+    summarize,
+)
 from transformers import GPT2LMHeadModel
 
 from mosaics import MosaicsConfig, MosaicsForCausalLM
@@ -106,17 +113,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     add_clock_option(ap)
+    add_denormal_option(ap)
     ap.add_argument("--v2", action="store_true",
                     help="also measure the Memory Mosaics v2 block (MosaicsConfig.v2)")
     args = ap.parse_args()
     clock = get_clock(args.clock)
+    denormals = apply_denormal_option(args)
 
     peak = matmul_peak(clock=clock)
     print(f"threads={torch.get_num_threads()}, clock={args.clock}, measured fp32 matmul peak: "
           f"{peak / 1e9:.1f} GFLOP/s")
     print(f"model: {args.n_layer} layers, d {args.n_embd}, {args.n_head} heads, vocab "
           f"{args.vocab}, batch {args.batch}, kernel {args.kernel}, fp32, "
-          f"loss_chunk_size {args.loss_chunk_size}\n")
+          f"loss_chunk_size {args.loss_chunk_size}, {denormals}\n")
     header = (f"{'T':>6} {'arch':>10} {'params':>11} {'step ms':>9} {'tok/s':>9} "
               f"{'GFLOP/s':>8} {'% peak':>7} {'MM/GPT2':>8}")
     print(header)

@@ -8,6 +8,8 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+
 Clock = Callable[[], float]
 CLOCKS: dict[str, Clock] = {"wall": time.perf_counter, "cpu": time.process_time}
 
@@ -17,6 +19,19 @@ def add_clock_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall clock, or the process's CPU time (steadier on a loaded "
                         "machine; use with one thread)")
+
+
+def add_denormal_option(parser: argparse.ArgumentParser) -> None:
+    """``--keep-denormals``: leave subnormal floats on (the trainer flushes them on CPU, see
+    ``TrainConfig.flush_denormal``); apply with :func:`apply_denormal_option`."""
+    parser.add_argument("--keep-denormals", action="store_true",
+                        help="do not flush subnormal floats to zero (the trainer does on CPU)")
+
+
+def apply_denormal_option(args: argparse.Namespace) -> str:
+    """Flush subnormals unless ``--keep-denormals``; returns a label for the table header."""
+    flushed = not args.keep_denormals and torch.set_flush_denormal(True)
+    return "denormals flushed" if flushed else "denormals kept"
 
 
 def get_clock(name: str) -> Clock:

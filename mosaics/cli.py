@@ -82,6 +82,9 @@ def train_main(argv: list[str] | None = None, prog: str = "mosaics train") -> in
 
             print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
             return 0
+        from .training.trainer import flush_denormals_early
+
+        flush_denormals_early(config.flush_denormal)  # CPU arithmetic only
         train(config)
     except InputError as err:  # bad data, config or checkpoint: the message says what to do
         print(f"{prog}: error: {err}", file=sys.stderr)

@@ -320,3 +320,17 @@ def test_every_shipped_config_builds_its_model_config(path):
                       "persistent_memory", "document_masking"):
             assert getattr(model_cfg, field) == getattr(preset, field), field
         assert model_cfg.separator_id == 0
+
+
+def test_denormals_flushed_inside_the_block_only():
+    from mosaics.training.trainer import denormals_flushed
+
+    tiny = torch.tensor([1e-39])  # subnormal in fp32
+    assert (tiny * 2).item() > 0
+    with denormals_flushed(True) as on:
+        if not on:
+            pytest.skip("this CPU cannot flush subnormals")
+        assert (tiny * 2).item() == 0.0
+    assert (tiny * 2).item() > 0
+    with denormals_flushed(False) as on:
+        assert not on and (tiny * 2).item() > 0

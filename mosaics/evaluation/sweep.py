@@ -634,7 +634,11 @@ def _child_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
 
+    from ..training.trainer import flush_denormals_early
+
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.device == "cpu":
+        flush_denormals_early()  # before torch's worker threads start, so they inherit it
     job = Job(**json.loads(args.job))
     try:
         run_job(job, Path(args.out), args.device, args.save_model)

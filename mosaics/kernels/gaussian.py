@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..ops.causal import causal_attention
+from ..ops.causal import causal_attention, interval_attention
 from .base import (
     Kernel,
     KernelState,
@@ -91,7 +91,9 @@ class GaussianKernel(Kernel):
         :meth:`forward` instead: rows -d.. against the keys before them with a causal mask,
         no mask tensor at all.
 
-        Memory: the fused backward keeps each chunk's mask (as float scores on CPU). When
+        On CPU without dropout all chunks run in one autograd Function
+        (:func:`~mosaics.ops.causal.interval_attention`: O(n) saved, masks rebuilt in
+        backward). Elsewhere, memory: the fused backward keeps each chunk's mask. When
         all chunks' masks together would exceed ``chunk_elements`` numbers (long documents,
         rather than a short window), each chunk is recomputed in backward instead
         (activation checkpointing: one more forward per chunk, O(n) saved).
@@ -104,6 +106,10 @@ class GaussianKernel(Kernel):
         if offset is not None and offset <= 0:
             return self._causal_attend(queries, keys, values, scale, -offset, drop)
         plan = attend_plan(lo, hi, keys.shape[2], B * H, self.chunk_elements)
+        if drop == 0.0:
+            y = interval_attention(queries * scale, keys, values, lo, hi, plan)
+            if y is not None:
+                return y.to(values.dtype)
         masks = max(lo.shape[0], hi.shape[0]) * sum((b - a) * (c1 - c0) for a, b, c0, c1 in plan)
         recompute = masks > self.chunk_elements and torch.is_grad_enabled() and any(
             t.requires_grad for t in (queries, keys, values, beta))

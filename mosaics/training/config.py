@@ -76,6 +76,9 @@ class TrainConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
     mixed_precision: str = "auto"
+    # CPU: flush subnormal floats to zero while training (sharp kernels underflow into them,
+    # and the CPU attention backward slows 2.5x on them; docs/performance.md)
+    flush_denormal: bool = True
     ddp_find_unused_parameters: bool = False
 
     # evaluation, logging, checkpoints
