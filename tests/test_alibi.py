@@ -46,8 +46,8 @@ def test_biased_retrieval_matches_an_independent_loop(name):
     beta = torch.tensor([2.0, 5.0, 9.0], dtype=torch.float64)
     slopes = torch.tensor([0.9, 0.3, 0.05], dtype=torch.float64)
     kernel = get_kernel(name)
-    got = biased_retrieval(kernel, k[:, :, 1:], k[:, :, :-1], v[:, :, :-1], beta, slopes, 0,
-                           chunk_elements=7)  # several chunks of rows
+    kernel.chunk_elements = 7 * B * H * (T - 1)  # several chunks of rows
+    got = biased_retrieval(kernel, k[:, :, 1:], k[:, :, :-1], v[:, :, :-1], beta, slopes, 0)
     want = torch.zeros(B, H, T - 1, hs, dtype=torch.float64)
     for t in range(1, T):
         past = torch.arange(t, dtype=torch.float64)
@@ -57,8 +57,12 @@ def test_biased_retrieval_matches_an_independent_loop(name):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)
 
 
-@pytest.mark.parametrize("name", ["gaussian", "epanechnikov", "relumax", "epanechnikov_fixed"])
-def test_biased_retrieval_gradients(name):
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("name", ["gaussian", "epanechnikov", "relumax", "epanechnikov_fixed",
+                                  "gaussian_knn"])
+def test_biased_retrieval_gradients(name, chunked):
+    """One chunk (kept for backward) and several (recomputed), the bandwidth's gradient
+    through the bias included."""
     torch.manual_seed(1)
     B, H, T, hs = 1, 2, 7, 3
     k = torch.nn.functional.normalize(torch.randn(B, H, T, hs, dtype=torch.float64), dim=-1)
@@ -67,7 +71,9 @@ def test_biased_retrieval_gradients(name):
     k, v = k.requires_grad_(), v.requires_grad_()
     beta = torch.tensor([1.5, 3.0], dtype=torch.float64, requires_grad=True)
     slopes = torch.tensor([0.25, 0.0625], dtype=torch.float64)
-    kernel = get_kernel(name)
+    kernel = get_kernel(name, **({"k": 3} if name == "gaussian_knn" else {}))
+    if chunked:
+        kernel.chunk_elements = 2 * B * H * (T - 1)  # two rows per chunk
 
     def f(q, k, v, beta):
         return biased_retrieval(kernel, q[:, :, 1:], k[:, :, :-1], v[:, :, :-1], beta, slopes, 0)
@@ -163,3 +169,27 @@ def test_alibi_survives_save_and_load(tmp_path, tiny_config):
     assert again.config.alibi
     ids = torch.randint(0, model.config.vocab_size, (1, 9))
     torch.testing.assert_close(again(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("name", ["gaussian", "epanechnikov", "gaussian_knn"])
+def test_biased_retrieval_saves_no_quadratic_tensor(name):
+    """The bias rides on the chunked retrieval: O(T) numbers saved for backward."""
+    torch.manual_seed(3)
+    B, H, T, hs = 1, 2, 1024, 8
+    kernel = get_kernel(name)
+    kernel.chunk_elements = 2**14
+    k = torch.nn.functional.normalize(torch.randn(B, H, T, hs), dim=-1).requires_grad_()
+    v = torch.randn(B, H, T, hs, requires_grad=True)
+    beta = torch.tensor([3.0, 9.0], requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = biased_retrieval(kernel, k[:, :, 1:], k[:, :, :-1], v[:, :, :-1], beta,
+                               alibi_slopes(H), 0)
+    assert sum(saved.values()) < T * T, sum(saved.values())  # < T^2 / 4 fp32 numbers
+    out.sum().backward()
+    assert beta.grad is not None and torch.isfinite(beta.grad).all()

@@ -11,9 +11,10 @@ Press et al. (2022), :func:`alibi_slopes`. Every score-based kernel is a functio
 z = beta * cos (and of beta alone), so the bias enters as shifted cosines
 cos' = cos - m (t - s) / beta given to the kernel's own ``weights`` / ``weights_backward``.
 
-The retrieval here is dense per chunk of query rows (a (B, H, rows, S) block at a time) and
-differentiable through the kernel's hand-written weight backward; it serves the v1 contextual
-memory in training, prefill and decoding.
+The retrieval is the score kernels' chunked one (a (B, H, rows, S) block at a time, each
+recomputed in backward) with the bias added per chunk, differentiable through the kernel's
+hand-written weight backward; it serves the v1 contextual memory in training, prefill and
+decoding.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import math
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
-from .base import Kernel, work_precision
+from .base import Kernel
+from .score_kernel import _ChunkedRetrieval
 
 
 def alibi_slopes(n_head: int) -> Tensor:
@@ -50,27 +51,8 @@ def supports_score_bias(kernel: Kernel) -> bool:
             is not Kernel.weights_backward)
 
 
-class _KernelWeights(torch.autograd.Function):
-    """p = kernel.weights(cos, beta, mask), backward through kernel.weights_backward."""
-
-    @staticmethod
-    def forward(ctx, cos: Tensor, beta: Tensor, mask: Tensor, kernel: Kernel) -> Tensor:  # noqa: ANN205
-        p = kernel.weights(cos, beta, mask)
-        ctx.kernel = kernel
-        ctx.save_for_backward(p, cos, beta, mask)
-        return p
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dp: Tensor):  # noqa: ANN205
-        p, cos, beta, mask = ctx.saved_tensors
-        dcos, dbeta = ctx.kernel.weights_backward(p, dp, cos, beta, mask)
-        return dcos, dbeta, None, None
-
-
 def biased_retrieval(kernel: Kernel, queries: Tensor, keys: Tensor, values: Tensor,
-                     beta: Tensor, slopes: Tensor, offset: int,
-                     chunk_elements: int = 2**21) -> Tensor:
+                     beta: Tensor, slopes: Tensor, offset: int) -> Tensor:
     """y_i = sum_j w_ij v_j, w_i. = kernel normalizer of beta cos(q_i, k_j) - m (t_i - j)
     over the entries j <= i + offset, with t_i = i + offset + 1 (the query's position when the
     entries sit at positions 0..S-1).
@@ -80,29 +62,13 @@ def biased_retrieval(kernel: Kernel, queries: Tensor, keys: Tensor, values: Tens
         beta: (H,) bandwidths; slopes: (H,) ALiBi slopes m_h; offset: query i sees j <= i +
             offset (0: the strict past of a whole sequence given as queries 1..T-1).
     Returns:
-        (B, H, n, hv) in the values' dtype; a row that sees no entry is 0.
+        (B, H, n, hv) in the values' dtype; a row that sees no entry is 0. The chunked
+        retrieval of the score kernels (``score_kernel._ChunkedRetrieval``) with the bias,
+        so O(n) is saved for backward.
     """
-    B, H, n, _ = queries.shape
-    S = keys.shape[2]
+    H = queries.shape[1]
     if beta.shape != (H,) or slopes.shape != (H,):
         raise ValueError(f"beta and slopes must have shape (H,) = ({H},), got "
                          f"{tuple(beta.shape)} and {tuple(slopes.shape)}")
-    q, k, v = work_precision(queries), work_precision(keys), work_precision(values)
-    b4 = beta.to(q.dtype).view(1, H, 1, 1)
-    shift = (slopes.to(q.dtype).view(1, H, 1, 1) / b4)  # m / beta: the bias in cosine units
-    rows = max(1, chunk_elements // max(1, B * H * S))
-    out = []
-    for a in range(0, n, rows):
-        e = min(n, a + rows)
-        width = max(0, min(S, e + offset))  # the last row sees j <= e - 1 + offset
-        if width == 0:
-            out.append(v.new_zeros(B, H, e - a, v.shape[-1]))
-            continue
-        t = torch.arange(a, e, device=q.device).view(-1, 1) + offset + 1
-        dist = t - torch.arange(width, device=q.device).view(1, -1)  # t_i - j, >= 1 if seen
-        mask = dist >= 1
-        cos = q[:, :, a:e] @ k[:, :, :width].transpose(-1, -2)
-        cos = cos - shift * dist.clamp_min(0).to(q.dtype)
-        p = _KernelWeights.apply(cos, b4, mask, kernel)
-        out.append(p @ v[:, :, :width])
-    return torch.cat(out, dim=2).to(values.dtype)
+    return _ChunkedRetrieval.apply(queries, keys, values, beta, kernel, int(offset),
+                                   slopes.detach())

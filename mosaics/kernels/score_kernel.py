@@ -75,16 +75,6 @@ class ScoreKernel(Kernel):
         mask = torch.ones(1, cos.shape[-1], dtype=torch.bool, device=cos.device)
         return self.weights(cos, beta, mask), None
 
-    def weights_and_state(self, cos: Tensor, beta: Tensor,
-                          mask: Tensor) -> tuple[Tensor, Tensor | None]:
-        """Weights plus an optional small per-row state (B, H, n, c) kept for backward."""
-        return self.weights(cos, beta, mask), None
-
-    def weights_from_state(self, cos: Tensor, beta: Tensor, mask: Tensor,
-                           state: Tensor | None) -> Tensor:
-        """Recompute the weights in backward, helped by the state of :meth:`weights_and_state`."""
-        return self.weights(cos, beta, mask)
-
     def weights_backward(self, p: Tensor, dp: Tensor, cos: Tensor, beta: Tensor,
                          mask: Tensor) -> tuple[Tensor, Tensor]:
         """Gradients (d cos (B, H, n, S), d beta summed to beta's shape: (1, H, 1, 1), or
@@ -166,10 +156,25 @@ def _chunk_mask(a: int, b: int, width: int, offset: int, device: torch.device) -
     return j <= i + offset
 
 
+def _distances(a: int, b: int, width: int, offset: int, device: torch.device) -> Tensor:
+    """(rows, width) t_i - j for query rows a..b-1 at positions t_i = i + offset + 1 and
+    entries j at 0..width-1, clamped at 0 (where the mask hides the entry)."""
+    i = torch.arange(a, b, device=device).view(-1, 1)
+    return (i + offset + 1 - torch.arange(width, device=device).view(1, -1)).clamp_min(0)
+
+
 class _ChunkedRetrieval(torch.autograd.Function):
+    """y_i = sum_j w_ij v_j over j <= i + offset, chunk by chunk of query rows, with any
+    kernel's ``weights`` / ``weights_backward`` (O(n) saved: the inputs and the kernels'
+    per-row states; each chunk's cosines and weights are recomputed in backward).
+
+    ``slopes`` (H,), optional: the ALiBi bias, scores beta cos - m (t - j), given to the
+    kernel as the shifted cosines cos' = cos - (m / beta)(t - j); its bandwidth gradient then
+    gains sum d cos' (m / beta^2)(t - j)."""
+
     @staticmethod
     def forward(ctx, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
-                kernel: ScoreKernel, offset: int) -> Tensor:
+                kernel: Kernel, offset: int, slopes: Tensor | None = None) -> Tensor:
         B, H, n, _ = queries.shape
         S = keys.shape[2]
         wd = work_dtype(queries.dtype)
@@ -177,11 +182,14 @@ class _ChunkedRetrieval(torch.autograd.Function):
         with torch.autocast(queries.device.type, enabled=False):
             q, k, v = queries.to(wd), keys.to(wd), values.to(wd)
             bb = beta.to(wd).view(1, H, 1, 1)
+            shift = None if slopes is None else slopes.to(wd).view(1, H, 1, 1) / bb
             states: list[Tensor | None] = []
             chunks = list(_chunks(n, S, offset, _rows_per_chunk(kernel, B * H, S)))
             for a, b, width in chunks:
                 mask = _chunk_mask(a, b, width, offset, q.device)
                 cos = q[:, :, a:b] @ k[:, :, :width].transpose(-1, -2)
+                if shift is not None:
+                    cos = cos - shift * _distances(a, b, width, offset, q.device).to(wd)
                 p, state = kernel.weights_and_state(cos, bb, mask)
                 states.append(state)
                 out[:, :, a:b] = (p @ v[:, :, :width]).to(out.dtype)
@@ -189,13 +197,13 @@ class _ChunkedRetrieval(torch.autograd.Function):
         # a single chunk is small by construction: keep it rather than recompute it
         keep = len(chunks) == 1 and any(ctx.needs_input_grad[:4])
         ctx.block = (cos, p) if keep else None
-        ctx.save_for_backward(queries, keys, values, beta)
+        ctx.save_for_backward(queries, keys, values, beta, slopes)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor):  # noqa: ANN205
-        queries, keys, values, beta = ctx.saved_tensors
+        queries, keys, values, beta, slopes = ctx.saved_tensors
         kernel, offset = ctx.kernel, ctx.offset
         B, H, n, _ = queries.shape
         S = keys.shape[2]
@@ -204,26 +212,32 @@ class _ChunkedRetrieval(torch.autograd.Function):
             q, k, v = queries.to(wd), keys.to(wd), values.to(wd)
             go = grad_out.to(wd)
             bb = beta.to(wd).view(1, H, 1, 1)
+            shift = None if slopes is None else slopes.to(wd).view(1, H, 1, 1) / bb
             dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
             dbeta = torch.zeros(H, dtype=wd, device=q.device)
             chunks = _chunks(n, S, offset, _rows_per_chunk(kernel, B * H, S))
             for (a, b, width), state in zip(chunks, ctx.states):
                 mask = _chunk_mask(a, b, width, offset, q.device)
                 qc, kc, vc, gc = q[:, :, a:b], k[:, :, :width], v[:, :, :width], go[:, :, a:b]
+                dist = None if shift is None else _distances(a, b, width, offset, q.device).to(wd)
                 if ctx.block is not None:
                     cos, p = ctx.block
                 else:
                     cos = qc @ kc.transpose(-1, -2)
+                    if dist is not None:
+                        cos = cos - shift * dist
                     p = kernel.weights_from_state(cos, bb, mask, state)
                 dv[:, :, :width] += p.transpose(-1, -2) @ gc
                 dp = gc @ vc.transpose(-1, -2)
                 dcos, db = kernel.weights_backward(p, dp, cos, bb, mask)
                 dcos = dcos.masked_fill(~mask, 0.0)
                 dbeta += db.reshape(H)
+                if dist is not None:  # cos' = cos - (m / beta) dist
+                    dbeta += (dcos * dist).sum(dim=(0, 2, 3)) * (shift / bb).view(H)
                 dq[:, :, a:b] += dcos @ kc
                 dk[:, :, :width] += dcos.transpose(-1, -2) @ qc
         return (dq.to(queries.dtype), dk.to(keys.dtype), dv.to(values.dtype),
-                dbeta.to(beta.dtype), None, None)
+                dbeta.to(beta.dtype), None, None, None)
 
 
 class _IntervalRetrieval(torch.autograd.Function):
