@@ -216,3 +216,23 @@ def test_gaussian_attend_same_with_and_without_the_fused_interval_path(monkeypat
     plain = _fwd_bwd(lambda a, b, c: kernel.attend(a, b, c, beta, lo, hi), q, k, v, grad)
     for r, x in zip(plain, fused):
         torch.testing.assert_close(x, r, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("bounds", [([[3]], [[9]]), ([[3], [0]], [[9], [4]]), ([[-2]], [[11]]),
+                                    ([[5]], [[2]])])
+def test_gaussian_attend_one_query_row_like_decoding(bounds):
+    """One query row (decoding): one interval for the batch takes a slice, several the chunks;
+    both equal the masked softmax, with a bandwidth per query."""
+    from mosaics.kernels.gaussian import interval_softmax
+
+    kernel = get_kernel("gaussian")
+    g = torch.Generator().manual_seed(7)
+    B, H, S, hs = 2, 3, 12, 4
+    q = torch.randn(B, H, 1, hs, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, H, S, hs, generator=g, dtype=torch.float64) for _ in range(2))
+    beta = torch.rand(B, H, 1, generator=g, dtype=torch.float64) + 0.5
+    lo, hi = (torch.tensor(b) for b in bounds)
+    with torch.no_grad():
+        got = kernel.attend(q, k, v, beta, lo, hi)
+    want = interval_softmax(q, k, v, beta.unsqueeze(-1), lo, hi)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

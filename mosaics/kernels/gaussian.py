@@ -105,6 +105,14 @@ class GaussianKernel(Kernel):
         offset = causal_offset(lo, hi)
         if offset is not None and offset <= 0:
             return self._causal_attend(queries, keys, values, scale, -offset, drop)
+        if n == 1 and drop == 0.0:  # decoding: one query row
+            first, last = lo.amin().item(), lo.amax().item()
+            top, end = hi.amin().item(), hi.amax().item()
+            if first == last and top == end:  # one interval for the whole batch: a slice
+                a, b = max(first, 0), min(top, keys.shape[2] - 1) + 1
+                if b <= a:
+                    return values.new_zeros(B, H, 1, values.shape[-1])
+                return decode_softmax(queries, keys[:, :, a:b], values[:, :, a:b], scale)
         plan = attend_plan(lo, hi, keys.shape[2], B * H, self.chunk_elements)
         if drop == 0.0:
             y = interval_attention(queries * scale, keys, values, lo, hi, plan)
@@ -146,7 +154,8 @@ def decode_softmax(query: Tensor, keys: Tensor, values: Tensor, beta: Tensor) ->
 
     Args:
         query: (B, H, 1, hs); keys, values: (B, H, S, hs) (views of the preallocated
-            buffers: ``bmm`` reads them in place); beta: (H,).
+            buffers: ``bmm`` reads them in place); beta: (H,), or (B or 1, H, 1, 1) for a
+            bandwidth per query row.
     Returns:
         (B, H, 1, hs) in the values' dtype, 0 for an empty memory; fp32 (fp64 stays fp64)
         inside. Two batched GEMVs and a softmax: at one query row the fused attention
@@ -155,7 +164,7 @@ def decode_softmax(query: Tensor, keys: Tensor, values: Tensor, beta: Tensor) ->
     B, H, _, hv = values.shape
     if keys.shape[2] == 0:
         return values.new_zeros(B, H, 1, hv)
-    q = work_precision(query) * work_precision(beta).view(1, H, 1, 1)
+    q = work_precision(query) * work_precision(beta).view(-1, H, 1, 1)
     scores = torch.bmm(batched_rows(q), batched_rows(work_precision(keys)).transpose(1, 2))
     y = torch.bmm(torch.softmax(scores, dim=-1), batched_rows(work_precision(values)))
     y = y.view(B, H, 1, hv)
