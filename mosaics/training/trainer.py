@@ -147,7 +147,7 @@ def denormals_flushed(enabled: bool = True) -> Iterator[bool]:
     """Flush subnormal floats to zero (FTZ/DAZ) inside the block where the CPU supports it,
     as GPUs' fast paths do; yields whether it took effect. Sharp softmax rows underflow to
     subnormals, and x86 arithmetic on them is one to two orders slower: one v2 layer's
-    training step at T 4096 went from 12.4 s to 6.5 s (``bench/long_context.py``).
+    training step at T 4096 went from 12.4 s to 6.4 s (``bench/long_context.py``).
 
     The flag is per thread and torch's worker threads copy it when they start: the calling
     thread gets it here, the workers only if it was set before torch's first parallel op, which
