@@ -112,3 +112,37 @@ def test_batches_are_seeded_and_within_lengths():
     assert bool(((lengths >= 2 * 32 + 3) & (lengths <= 2 * 64 + 3)).all())
     with pytest.raises(ValueError, match="length >= 8"):
         tasks.mqmtar_sample(np.random.default_rng(0), 7)
+
+
+def _fit_sort(keep: str, **schedule):
+    from mosaics.evaluation.experiments import (
+        EXTRAPOLATION_PRESETS,
+        extrapolation_model,
+        fit_task_model,
+        with_overrides,
+    )
+
+    proto = with_overrides(EXTRAPOLATION_PRESETS["cpu"], n_embd=32, n_head=2, n_layer=1,
+                           pmem_size=24, min_len=8, max_len=12)
+    model = extrapolation_model("sort", "mosaics", "gaussian", proto, None, 64)
+    val = tasks.collate(tasks.fixed_set("sort", 8, (8, 12), seed=1), tasks.SORT.pad)
+    val.pop("score_mask")
+    result = fit_task_model(model, tasks.RandomTaskBatches("sort", 4, 8, 12, seed=0), [val],
+                            total_steps=6, lr=1e-2, weight_decay=0.1, warmup_frac=0.5,
+                            eval_every=2, seed=0, device="cpu", progress=False, keep=keep,
+                            **schedule)
+    return model, result
+
+
+def test_task_protocol_schedule_pmem_and_kept_weights():
+    model, best = _fit_sort("best")
+    assert model.config.pmem_size == 24
+    assert best.best_step is not None
+    lrs = [row["lr"] for row in best.history if "lr" in row]
+    assert lrs[-1] == pytest.approx(3.25e-3)  # step 5 of a cosine to lr / 10 over steps 3..6
+    _, last = _fit_sort("last", warmup_steps=1, schedule_steps=1000, min_lr=1e-4)
+    assert last.best_step is None  # nothing restored
+    lrs = [row["lr"] for row in last.history if "lr" in row]
+    assert lrs[0] > 0.99e-2 and lrs[-1] > 0.99e-2  # warm-up of 1 step, a 1000-step cosine
+    with pytest.raises(ValueError, match="keep must be"):
+        _fit_sort("first")

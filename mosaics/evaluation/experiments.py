@@ -84,6 +84,13 @@ class ExtrapolationProtocol:
     alibi: bool = False  # ALiBi on Memory Mosaics' kernel scores (MosaicsConfig.alibi)
     # token-embedding init std of Memory Mosaics (MosaicsConfig.embedding_init_std); None: 1.0
     embedding_init_std: float | None = None
+    # the schedule in absolute steps (the paper's code: 40000 warm-up steps, cosine over 156250
+    # to 5e-5); None: warmup_frac of the steps, a cosine ending at the last step, min lr lr / 10
+    warmup_steps: int | None = None
+    schedule_steps: int | None = None
+    min_lr: float | None = None
+    pmem_size: int | None = None  # Memory Mosaics persistent-memory slots; None: 3.5 n_embd
+    keep: str = "best"  # weights scored: "best" validation loss, or the "last" step's
 
 
 EXTRAPOLATION_PRESETS = {
@@ -151,19 +158,28 @@ def fit_task_model(model: torch.nn.Module, batches: Any, val_batches: list[dict[
                    total_steps: int, lr: float, weight_decay: float, warmup_frac: float,
                    eval_every: int, seed: int, device: str, time_budget_s: float | None = None,
                    run_dir: Path | None = None, progress: bool = True,
-                   desc: str = "train", hooks: Sequence[Hook] = ()) -> TrainResult:
+                   desc: str = "train", hooks: Sequence[Hook] = (),
+                   warmup_steps: int | None = None, schedule_steps: int | None = None,
+                   min_lr: float | None = None, keep: str = "best") -> TrainResult:
     """Train ``model`` in place with the shared :class:`Trainer` (AdamW, linear warm-up over
-    ``warmup_frac`` of the steps, cosine to lr / 10, clipping at 1) and restore the weights of
-    the best validation loss. Learning curves go to ``run_dir/metrics.jsonl`` when given;
-    ``hooks`` run before the one that keeps the best weights."""
+    ``warmup_frac`` of the steps or ``warmup_steps``, cosine to ``min_lr`` (lr / 10) at the
+    last step or at ``schedule_steps``, clipping at 1); ``keep="best"`` restores the weights
+    of the best validation loss, ``"last"`` keeps the last step's. Learning curves go to
+    ``run_dir/metrics.jsonl`` when given; ``hooks`` run before the one that keeps the best
+    weights."""
+    if keep not in ("best", "last"):
+        raise ValueError(f"keep must be 'best' or 'last', got {keep!r}")
     cfg = TrainConfig(run_dir=str(run_dir) if run_dir is not None else "", seed=seed,
-                      max_steps=total_steps, lr=lr, min_lr=0.1 * lr,
-                      warmup_steps=max(1, round(warmup_frac * total_steps)),
+                      max_steps=total_steps, lr=lr, min_lr=0.1 * lr if min_lr is None else min_lr,
+                      warmup_steps=(max(1, round(warmup_frac * total_steps))
+                                    if warmup_steps is None else warmup_steps),
+                      schedule_steps=schedule_steps,
                       weight_decay=weight_decay, grad_clip=1.0, eval_interval=eval_every,
                       log_interval=eval_every, checkpoint_interval=0, progress_bar=progress,
                       tensorboard=False, time_budget_s=time_budget_s)
     torch.manual_seed(seed)
-    trainer = Trainer(cfg, model.to(device), batches, val_batches, hooks=[*hooks, KeepBest()],
+    keepers = [KeepBest()] if keep == "best" else []
+    trainer = Trainer(cfg, model.to(device), batches, val_batches, hooks=[*hooks, *keepers],
                       accelerator=make_accelerator(cfg, device), name=desc)
     result = trainer.fit()
     trainer.close()
@@ -300,7 +316,8 @@ def extrapolation_model(task: str, arch: str, kernel: str | None,
                              "own init: drop embedding_init_std for this model")
         extra["embedding_init_std"] = float(proto.embedding_init_std)
     cfg = model_config(arch, spec.vocab_size, proto.n_layer or spec.n_layer, proto.n_embd,
-                       proto.n_head, None, kernel or "gaussian", kernel_kwargs, proto.dropout,
+                       proto.n_head, proto.pmem_size, kernel or "gaussian", kernel_kwargs,
+                       proto.dropout,
                        2 * proto.max_len + 3 if is_mosaics(arch) else longest, **extra)
     return causal_lm(cfg)
 
@@ -360,7 +377,9 @@ def run_extrapolation(task: str, arch: str, kernel: str | None, proto: Extrapola
     watch = TaskExactMatch(task, val, proto.batch_size, device)
     info = fit_task_model(model, batches, val_batches, proto.steps, proto.lr, proto.weight_decay,
                           proto.warmup_frac, proto.eval_every, seed, device, proto.time_budget_s,
-                          run_dir, progress, f"{label} {task}", hooks=[watch])
+                          run_dir, progress, f"{label} {task}", hooks=[watch],
+                          warmup_steps=proto.warmup_steps, schedule_steps=proto.schedule_steps,
+                          min_lr=proto.min_lr, keep=proto.keep)
     run = {"label": label, "arch": arch, "kernel": kernel, "params": count_parameters(model),
            **evaluate(model, label), "train": train_summary(info)}
     if save_model and out_dir is not None:
