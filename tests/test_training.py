@@ -334,3 +334,10 @@ def test_denormals_flushed_inside_the_block_only():
     assert (tiny * 2).item() > 0
     with denormals_flushed(False) as on:
         assert not on and (tiny * 2).item() > 0
+    torch.set_flush_denormal(True)  # set before (as flush_denormals_early): kept after
+    try:
+        with denormals_flushed(True):
+            pass
+        assert (tiny * 2).item() == 0.0
+    finally:
+        torch.set_flush_denormal(False)

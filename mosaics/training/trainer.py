@@ -142,22 +142,29 @@ def resolve_precision(setting: str) -> str:
     return "no"
 
 
+def denormals_are_flushed() -> bool:
+    """Whether this thread flushes subnormal floats now (torch has no getter: a subnormal
+    times one reads as zero when it does)."""
+    return (torch.tensor([1e-39], dtype=torch.float32) * 1.0).item() == 0.0
+
+
 @contextlib.contextmanager
 def denormals_flushed(enabled: bool = True) -> Iterator[bool]:
     """Flush subnormal floats to zero (FTZ/DAZ) inside the block where the CPU supports it,
-    as GPUs' fast paths do; yields whether it took effect. Sharp softmax rows underflow to
+    as GPUs' fast paths do; yields whether flushing is on. Sharp softmax rows underflow to
     subnormals, and x86 arithmetic on them is one to two orders slower: one v2 layer's
     training step at T 4096 went from 12.4 s to 6.4 s (``bench/long_context.py``).
 
     The flag is per thread and torch's worker threads copy it when they start: the calling
     thread gets it here, the workers only if it was set before torch's first parallel op, which
     ``mosaics train`` and the sweep's job processes do (:func:`flush_denormals_early`).
-    Leaves flushing off afterwards (torch has no getter for the previous state)."""
-    on = enabled and torch.set_flush_denormal(True)
+    The calling thread's previous setting is restored afterwards."""
+    before = denormals_are_flushed()
+    on = before or (enabled and torch.set_flush_denormal(True))
     try:
         yield on
     finally:
-        if on:
+        if on and not before:
             torch.set_flush_denormal(False)
 
 
