@@ -106,8 +106,8 @@ class GaussianKernel(Kernel):
         if offset is not None and offset <= 0:
             return self._causal_attend(queries, keys, values, scale, -offset, drop)
         if n == 1 and drop == 0.0:  # decoding: one query row
-            first, last = lo.amin().item(), lo.amax().item()
-            top, end = hi.amin().item(), hi.amax().item()
+            first, last, top, end = torch.stack(  # one device-to-host read
+                [lo.amin(), lo.amax(), hi.amin(), hi.amax()]).tolist()
             if first == last and top == end:  # one interval for the whole batch: a slice
                 a, b = max(first, 0), min(top, keys.shape[2] - 1) + 1
                 if b <= a:
