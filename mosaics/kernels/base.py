@@ -323,8 +323,8 @@ def check_attend_args(queries: Tensor, keys: Tensor, values: Tensor, beta: Tenso
                      f"({B} or 1, {H}, {n}), got {tuple(beta.shape)}")
 
 
-def attend_plan(lo: Tensor, hi: Tensor, S: int, batch_heads: int,
-                elements: int) -> list[tuple[int, int, int, int]]:
+def attend_plan(lo: Tensor, hi: Tensor, S: int, batch_heads: int, elements: int,
+                max_rows: int | None = None) -> list[tuple[int, int, int, int]]:
     """Query chunks of :meth:`Kernel.attend`: (a, b, c0, c1) for rows a..b-1, which together
     see only the memory columns c0..c1-1; chunks whose rows see nothing are left out.
 
@@ -334,8 +334,9 @@ def attend_plan(lo: Tensor, hi: Tensor, S: int, batch_heads: int,
     rows of a window of w entries see w + r - 1 columns between them, so a chunk computes up
     to (w + r) / w times the visible scores (w / 4 measured faster than the memory bound
     alone at w = 256, T = 1024 and 4096). A chunk that still spans more than 4x
-    ``elements`` (intervals out of order) is halved until it does not. The bounds are read on
-    the host (one small device-to-host copy).
+    ``elements`` (intervals out of order) is halved until it does not; ``max_rows`` caps the
+    rows per chunk (fused tiles). The bounds are read on the host (one small device-to-host
+    copy).
     """
     n = lo.shape[1]
     if n == 0 or S == 0:
@@ -349,7 +350,7 @@ def attend_plan(lo: Tensor, hi: Tensor, S: int, batch_heads: int,
         return []
     budget = max(1, elements // max(1, batch_heads))
     rows = int((math.sqrt(widest * widest + 4 * budget) - widest) / 2)
-    rows = max(1, min(n, rows, max(MIN_ATTEND_ROWS, widest // 4)))
+    rows = max(1, min(n, rows, max(MIN_ATTEND_ROWS, widest // 4), max_rows or n))
     plan, todo = [], [(a, min(n, a + rows)) for a in range(0, n, rows)]
     while todo:
         a, b = todo.pop(0)

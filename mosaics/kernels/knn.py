@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 
 from .base import register_kernel
 from .normalizers import BLOCK, block_max, entmax_backward, shifted_scores, work_dtype
-from .score_kernel import ScoreKernel, _head_rows, _Tiles, check_positive_int
+from .score_kernel import ScoreKernel, _head_rows, _PastTiles, check_positive_int
 
 
 def top_k_support(x: Tensor, k: int) -> Tensor:
@@ -132,9 +132,9 @@ class _TopKRetrieval(torch.autograd.Function):
             top = min(kernel.k, S)
             cos = q.new_full((B * H, n, top), float("-inf"))
             idx = torch.zeros(B * H, n, top, dtype=torch.long, device=q.device)
-            tiles = _Tiles(kernel, q, k, v, offset, 1)
-            for lo, hi, width in tiles:
-                s = tiles.scores(q, lo, hi, width)
+            tiles = _PastTiles(kernel, q, k, v, offset, 1)
+            for lo, hi, _, width in tiles:
+                s = tiles.scores(q, lo, hi, 0, width)
                 kk = min(top, s.shape[-1])
                 cos[:, lo:hi, :kk], idx[:, lo:hi, :kk] = top_k_blocks(s, kk)
             rows = _flat_index(idx.clamp_(max=max(S - 1, 0)), S).view(B * H * n, top)  # p = 0

@@ -22,6 +22,8 @@ GEMMs per tile of query rows (:class:`_PowerRetrieval`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
@@ -372,7 +374,29 @@ class PowerKernel(ScoreKernel):
 
     def retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                   offset: int) -> Tensor:
-        return _PowerRetrieval.apply(queries, keys, values, beta, self, offset)
+        def tiles(q: Tensor, k: Tensor, v: Tensor, n_buffers: int) -> _Tiles:
+            return _PastTiles(self, q, k, v, offset, n_buffers)
+
+        return _PowerRetrieval.apply(queries, keys, values, beta.view(1, -1, 1, 1), self, tiles)
+
+    def attend(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
+               lo: Tensor, hi: Tensor) -> Tensor:
+        """:meth:`ScoreKernel.attend` in the fused tiles of :class:`_PowerRetrieval`, over the
+        strict past with an offset (lo <= 0, hi = i + d) or any intervals, with one bandwidth
+        per head or per query."""
+        beta4 = check_attend_args(queries, keys, values, beta, lo, hi)
+        B, H, n, _ = queries.shape
+        offset = causal_offset(lo, hi)
+        if offset is not None:
+            def tiles(q: Tensor, k: Tensor, v: Tensor, n_buffers: int) -> _Tiles:
+                return _PastTiles(self, q, k, v, offset, n_buffers)
+        else:
+            plan = attend_plan(lo, hi, keys.shape[2], B * H, self.chunk_elements,
+                               max_rows=TILE_ROWS)
+
+            def tiles(q: Tensor, k: Tensor, v: Tensor, n_buffers: int) -> _Tiles:
+                return _IntervalTiles(q, k, v, lo, hi, plan, B, n_buffers)
+        return _PowerRetrieval.apply(queries, keys, values, beta4, self, tiles)
 
 
 def _block_argmax(x: Tensor, bmax: Tensor) -> Tensor:
@@ -390,28 +414,30 @@ def _head_rows(x: Tensor, batch: int) -> Tensor:
 
 
 class _Tiles:
-    """Query tiles of a strict-past retrieval over flattened (B H, n, .) rows, the keys and
-    values padded with zero rows to a multiple of BLOCK, and the buffers the tiles reuse.
+    """Tiles of query rows over (B H, n, .) flattened rows for a fused retrieval: (a, b, c0,
+    c1) for rows a..b-1 over the key columns c0..c1-1, the keys and values padded with zero
+    rows so that every tile reads a multiple of BLOCK columns, and the buffers the tiles reuse.
 
     Buffers are allocated once per call: a fresh tile-sized temporary per tile and pass costs
     more than the pass itself when the allocator maps it from the OS. Every GEMM writes a
     whole contiguous buffer (into a strided slice, CPU ``bmm`` falls back to one matrix
     product per batch entry, measured 2-4x slower at (16, 63, 64) x (16, 64, 512)).
+    Subclasses say which tiles there are and mask what a tile's rows may not see.
     """
 
-    def __init__(self, kernel: ScoreKernel, q: Tensor, k: Tensor, v: Tensor, offset: int,
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, tiles: list[tuple[int, int, int, int]],
                  n_buffers: int) -> None:
-        self.bh, self.n, self.S, self.offset = q.shape[0], q.shape[1], k.shape[1], offset
-        self.rows = _tile_rows(kernel, self.bh, self.n, self.S)
-        self.k, self.v = _pad_rows(k, BLOCK), _pad_rows(v, BLOCK)
-        self.width = _round_up(max(1, min(self.S, self.n + offset)), BLOCK)  # the widest tile
-        rows = min(self.rows, self.n)
-        self.buffers = [q.new_empty(self.bh * rows * self.width) for _ in range(n_buffers)]
+        self.bh, self.n, self.S = q.shape[0], q.shape[1], k.shape[1]
+        self.tiles = tiles
+        self.width = max((_round_up(c1 - c0, BLOCK) for _, _, c0, c1 in tiles), default=BLOCK)
+        end = max((c0 + _round_up(c1 - c0, BLOCK) for _, _, c0, c1 in tiles), default=0)
+        self.k, self.v = _pad_rows(k, BLOCK, end), _pad_rows(v, BLOCK, end)
+        self.rows = max((b - a for a, b, _, _ in tiles), default=1)
+        self.buffers = [q.new_empty(self.bh * self.rows * self.width) for _ in range(n_buffers)]
         self.small = q.new_empty(0)  # forward: rows x hv; backward: head size x widest tile
-        self.masks: dict[tuple[int, int, int, int], Tensor] = {}
 
     def __iter__(self):
-        return _chunks(self.n, self.S, self.offset, self.rows)
+        return iter(self.tiles)
 
     def view(self, i: int, rows: int, width: int) -> Tensor:
         """Buffer i as a contiguous (B H, rows, width rounded up to BLOCK) tensor."""
@@ -426,16 +452,59 @@ class _Tiles:
             self.small = self.small.new_empty(self.bh * max(capacity, rows * cols))
         return self.small[:size].view(self.bh, rows, cols)
 
-    def scores(self, q: Tensor, a: int, b: int, width: int) -> Tensor:
-        """Cosines of query rows a..b-1 with keys 0..width-1 in buffer 0, -inf where a row may
-        not look (j > i + offset) and on the padding up to a multiple of BLOCK."""
-        s = self.view(0, b - a, width)
-        torch.bmm(q[:, a:b], self.k[:, :s.shape[-1]].transpose(1, 2), out=s)
-        start = min(max(a + self.offset + 1, 0), width)  # first column some row may not see
+    def scores(self, q: Tensor, a: int, b: int, c0: int, c1: int) -> Tensor:
+        """Cosines of query rows a..b-1 with keys c0..c1-1 in buffer 0, -inf where a row may not
+        look and on the padding up to a multiple of BLOCK columns."""
+        s = self.view(0, b - a, c1 - c0)
+        torch.bmm(q[:, a:b], self.k[:, c0:c0 + s.shape[-1]].transpose(1, 2), out=s)
+        self.mask_(s, a, b, c0, c1)
+        return s
+
+    def mask_(self, s: Tensor, a: int, b: int, c0: int, c1: int) -> None:
+        raise NotImplementedError
+
+    def keys(self, c0: int, width: int) -> Tensor:
+        """The (B H, width, hs) key rows of a tile that starts at column c0."""
+        return self.k[:, c0:c0 + width]
+
+    def weighted_values(self, p: Tensor, c0: int, scale: Tensor, out: Tensor) -> None:
+        """out = (p V) / scale for a tile of weights p (B H, rows, width) from column c0."""
+        hv = self.v.shape[-1]
+        tmp = torch.bmm(p, self.v[:, c0:c0 + p.shape[-1]],
+                        out=self.narrow(p.shape[1], hv, self.rows * hv))
+        torch.div(tmp, scale, out=out)
+
+    def value_products(self, g: Tensor, c0: int, width: int, out: Tensor) -> Tensor:
+        """g V^T (B H, rows, width) for output gradients g (B H, rows, hv), columns from c0."""
+        return torch.bmm(g, self.v[:, c0:c0 + width].transpose(1, 2), out=out)
+
+    def add_outer(self, acc_t: Tensor, rows_t: Tensor, p: Tensor, c0: int) -> None:
+        """acc_t[..., c0:c0 + width] += rows_t p: (B H, d, S) += (B H, d, rows) (B H, rows,
+        width)."""
+        d = max(self.k.shape[-1], self.v.shape[-1])
+        tmp = torch.bmm(rows_t, p, out=self.narrow(rows_t.shape[1], p.shape[-1], d * self.width))
+        acc_t[..., c0:c0 + p.shape[-1]].add_(tmp)
+
+
+class _PastTiles(_Tiles):
+    """The strict past with an offset: row i sees the keys j <= i + offset, in tiles of
+    :func:`_tile_rows` rows over keys 0..(the last row's horizon)."""
+
+    def __init__(self, kernel: ScoreKernel, q: Tensor, k: Tensor, v: Tensor, offset: int,
+                 n_buffers: int) -> None:
+        n, S = q.shape[1], k.shape[1]
+        rows = _tile_rows(kernel, q.shape[0], n, S)
+        super().__init__(q, k, v, [(a, b, 0, w) for a, b, w in _chunks(n, S, offset, rows)],
+                         n_buffers)
+        self.offset = offset
+        self.masks: dict[tuple[int, int, int, int], Tensor] = {}
+
+    def mask_(self, s: Tensor, a: int, b: int, c0: int, c1: int) -> None:
+        """-inf where j > i + offset and on the padding: only the last key block is touched."""
+        start = min(max(a + self.offset + 1, 0), c1)  # first column some row may not see
         if start < s.shape[-1]:
             s[..., start:].add_(self._mask(b - a, s.shape[-1] - start, a + self.offset - start,
-                                           width - start, s))
-        return s
+                                           c1 - start, s))
 
     def _mask(self, rows: int, cols: int, lag: int, limit: int, like: Tensor) -> Tensor:
         """(rows, cols) additive mask: -inf where column jj > row ii + lag or jj >= limit."""
@@ -447,24 +516,28 @@ class _Tiles:
                 (jj > ii + lag) | (jj >= limit), float("-inf")).expand(rows, cols).contiguous()
         return self.masks[key]
 
-    def weighted_values(self, p: Tensor, scale: Tensor, out: Tensor) -> None:
-        """out = (p V) / scale for a tile of weights p (B H, rows, width)."""
-        hv = self.v.shape[-1]
-        tmp = torch.bmm(p, self.v[:, :p.shape[-1]],
-                        out=self.narrow(p.shape[1], hv, min(self.rows, self.n) * hv))
-        torch.div(tmp, scale, out=out)
 
-    def add_outer(self, acc_t: Tensor, rows_t: Tensor, p: Tensor) -> None:
-        """acc_t[..., :width] += rows_t p: (B H, d, S) += (B H, d, rows) (B H, rows, width)."""
-        d = max(self.k.shape[-1], self.v.shape[-1])
-        tmp = torch.bmm(rows_t, p, out=self.narrow(rows_t.shape[1], p.shape[-1], d * self.width))
-        acc_t[..., :p.shape[-1]].add_(tmp)
+class _IntervalTiles(_Tiles):
+    """Visible intervals: row i (of batch row b) sees the keys lo[b, i] <= j <= hi[b, i], in
+    the row chunks of :func:`~.base.attend_plan` (rows capped at TILE_ROWS)."""
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor,
+                 plan: list[tuple[int, int, int, int]], batch: int, n_buffers: int) -> None:
+        super().__init__(q, k, v, plan, n_buffers)
+        self.lo, self.hi, self.batch = lo, hi, batch
+
+    def mask_(self, s: Tensor, a: int, b: int, c0: int, c1: int) -> None:
+        wp = s.shape[-1]
+        hidden = ~interval_mask(self.lo, self.hi, a, b, c0, c0 + wp)  # (B or 1, 1, rows, wp)
+        if c1 - c0 < wp:
+            hidden = hidden | (torch.arange(wp, device=s.device) >= c1 - c0)
+        s.view(self.batch, -1, b - a, wp).masked_fill_(hidden, float("-inf"))
 
 
-def _pad_rows(x: Tensor, m: int) -> Tensor:
-    """(B H, S, d) with zero rows appended up to a multiple of m."""
-    pad = -x.shape[1] % m
-    return torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
+def _pad_rows(x: Tensor, m: int, least: int = 0) -> Tensor:
+    """(B H, S, d) with zero rows appended up to a multiple of m, and to at least ``least``."""
+    pad = max(-x.shape[1] % m, least - x.shape[1])
+    return torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad > 0 else x
 
 
 def _round_up(x: int, m: int) -> int:
@@ -479,22 +552,25 @@ def _tile_rows(kernel: ScoreKernel, batch_heads: int, n: int, S: int) -> int:
 
 
 class _PowerRetrieval(torch.autograd.Function):
-    """Strict-past retrieval with a :class:`PowerKernel`, tile by tile of query rows.
+    """Retrieval with a :class:`PowerKernel`, tile by tile of query rows (:class:`_Tiles`:
+    the strict past with an offset, or visible intervals), with one bandwidth per head or
+    one per query.
 
-    Forward per tile: score GEMM into a reused buffer, the causal mask on its last key block
-    only, in-place u = [a (c - m) - shift]_+ (shift solved per row by the kernel), u^r, its
-    row sums N and the output GEMM. Saved: the inputs, (m, shift, N) per row, the output.
+    Forward per tile: score GEMM into a reused buffer, the tile's mask, in-place
+    u = [a (c - m) - shift]_+ (shift solved per row by the kernel), u^r, its row sums N and
+    the output GEMM. Saved: the inputs, (m, shift, N) per row, the output.
     Backward per tile: the same scores and u, then dV^T += (dY / N)^T u^r, dP = dY V^T,
     dZ = h (dP - c) in place (h = u^(r-1)), dQ = beta kappa dZ K, dK^T += (beta kappa Q)^T dZ
     and dbeta from dQ's rows: five GEMMs and a few in-place passes over the tile.
 
-    The elementwise passes stay eager, in place: ``torch.compile`` of the same chain measured
-    no faster on CPU, after a long first compile.
+    ``beta``: (B or 1, H, n or 1, 1); ``tiles(q, k, v, n_buffers)`` makes the :class:`_Tiles`
+    of the flattened (B H, ., .) rows. The elementwise passes stay eager, in place:
+    ``torch.compile`` of the same chain measured no faster on CPU, after a long first compile.
     """
 
     @staticmethod
     def forward(ctx, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
-                kernel: PowerKernel, offset: int) -> Tensor:
+                kernel: PowerKernel, tiles: Callable[..., _Tiles]) -> Tensor:
         B, H, n, _ = queries.shape
         hv = values.shape[-1]
         wd = work_dtype(queries.dtype)
@@ -502,22 +578,24 @@ class _PowerRetrieval(torch.autograd.Function):
         with torch.autocast(queries.device.type, enabled=False):
             q, k, v = (x.to(wd).reshape(B * H, x.shape[2], x.shape[3])
                        for x in (queries, keys, values))
-            a = _head_rows(kernel.score_scale * beta.detach().to(wd), B)
-            tiles = _Tiles(kernel, q, k, v, offset, 3)
+            a = kernel.score_scale * _flat_rows(beta.detach().to(wd), B, H)
+            grid = tiles(q, k, v, 3)
             out = q.new_zeros(B * H, n, hv)
             stats = q.new_zeros(3, B * H, n, 1)  # m, shift, N
             arg = torch.zeros(B * H, n, 1, dtype=torch.long, device=q.device)
-            for lo, hi, width in tiles:
-                u = tiles.scores(q, lo, hi, width)
+            for lo, hi, c0, c1 in grid:
+                u = grid.scores(q, lo, hi, c0, c1)
                 m, shift, top = kernel._shift_rows_(
-                    u, a, (tiles.view(1, hi - lo, width), tiles.view(2, hi - lo, width)))
-                p = u if r == 1 else entmax_power(u, r, out=tiles.view(1, hi - lo, width))
+                    u, _rows(a, lo, hi),
+                    (grid.view(1, hi - lo, c1 - c0), grid.view(2, hi - lo, c1 - c0)))
+                p = u if r == 1 else entmax_power(u, r, out=grid.view(1, hi - lo, c1 - c0))
                 total = p.sum(dim=-1, keepdim=True)
-                tiles.weighted_values(p, total.clamp_min(torch.finfo(wd).tiny), out[:, lo:hi])
+                grid.weighted_values(p, c0, total.clamp_min(torch.finfo(wd).tiny),
+                                     out[:, lo:hi])
                 stats[0, :, lo:hi], stats[1, :, lo:hi], stats[2, :, lo:hi] = m, shift, total
                 if top is not None:
-                    arg[:, lo:hi] = top
-        ctx.kernel, ctx.offset, ctx.rows = kernel, offset, (stats, out, arg)
+                    arg[:, lo:hi] = top + c0
+        ctx.kernel, ctx.tiles, ctx.rows = kernel, tiles, (stats, out, arg)
         ctx.save_for_backward(queries, keys, values, beta)
         return out.view(B, H, n, hv).to(values.dtype)
 
@@ -525,7 +603,7 @@ class _PowerRetrieval(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out: Tensor):  # noqa: ANN205
         queries, keys, values, beta = ctx.saved_tensors
-        kernel, offset = ctx.kernel, ctx.offset
+        kernel = ctx.kernel
         stats, y, arg = ctx.rows
         B, H, n, hs = queries.shape
         S, hv = keys.shape[2], values.shape[-1]
@@ -535,7 +613,7 @@ class _PowerRetrieval(torch.autograd.Function):
             q, k, v = (x.to(wd).reshape(B * H, x.shape[2], x.shape[3])
                        for x in (queries, keys, values))
             g = grad_out.to(wd).reshape(B * H, n, hv)
-            bb = _head_rows(beta.to(wd), B)
+            bb = _flat_rows(beta.to(wd), B, H)
             a = kernel.score_scale * bb
             m, shift, total = stats
             kappa, inv = _row_factors(total, r, entmax_rule)
@@ -543,19 +621,19 @@ class _PowerRetrieval(torch.autograd.Function):
             q_k = q * (kappa * bb)
             c_fixed = None if entmax_rule else (g * y).sum(dim=-1, keepdim=True)
             dq = torch.zeros_like(q)
-            tiles = _Tiles(kernel, q, k, v, offset, 3)
-            dk_t = q.new_zeros(B * H, hs, tiles.k.shape[1])
-            dv_t = q.new_zeros(B * H, hv, tiles.k.shape[1])
+            grid = ctx.tiles(q, k, v, 3)
+            dk_t = q.new_zeros(B * H, hs, grid.k.shape[1])
+            dv_t = q.new_zeros(B * H, hv, grid.k.shape[1])
             dbeta = q.new_zeros(B * H, n, 1)
             row_sum = q.new_zeros(B * H, n, 1)
-            for lo, hi, width in tiles:
-                u = tiles.scores(q, lo, hi, width)
-                u.sub_(m[:, lo:hi]).mul_(a).sub_(shift[:, lo:hi]).clamp_min_(0.0)
-                spare = tiles.view(1, hi - lo, width)
+            for lo, hi, c0, c1 in grid:
+                u = grid.scores(q, lo, hi, c0, c1)
+                u.sub_(m[:, lo:hi]).mul_(_rows(a, lo, hi)).sub_(shift[:, lo:hi]).clamp_min_(0.0)
+                width = u.shape[-1]
+                spare = grid.view(1, hi - lo, width)
                 p = u if r == 1 else entmax_power(u, r, out=spare)
-                tiles.add_outer(dv_t, g_n[:, lo:hi].transpose(1, 2), p)
-                dp = torch.bmm(g[:, lo:hi], tiles.v[:, :u.shape[-1]].transpose(1, 2),
-                               out=tiles.view(2, hi - lo, width))
+                grid.add_outer(dv_t, g_n[:, lo:hi].transpose(1, 2), p, c0)
+                dp = grid.value_products(g[:, lo:hi], c0, width, grid.view(2, hi - lo, width))
                 h, spare = _power_derivative_(u, r, spare)
                 if entmax_rule:  # c = sum(h dp) / sum(h)
                     c = torch.mul(h, dp, out=spare).sum(dim=-1, keepdim=True).div_(
@@ -563,20 +641,31 @@ class _PowerRetrieval(torch.autograd.Function):
                 else:  # c = <p, dp> = dY . Y
                     c = c_fixed[:, lo:hi]
                 dz = dp.sub_(c).mul_(h)
-                dq_raw = torch.bmm(dz, tiles.k[:, :dz.shape[-1]])
+                dq_raw = torch.bmm(dz, grid.keys(c0, width))
                 inner = (dq_raw * q[:, lo:hi]).sum(dim=-1, keepdim=True)
                 if not entmax_rule:  # d/dbeta of u: c - m; sum_s dz_ts = 0 for entmax
                     row_sum[:, lo:hi] = dz.sum(dim=-1, keepdim=True)
                     inner -= m[:, lo:hi] * row_sum[:, lo:hi]
                 dbeta[:, lo:hi] = kappa[:, lo:hi] * inner
-                dq[:, lo:hi] = dq_raw * (kappa[:, lo:hi] * bb)
-                tiles.add_outer(dk_t, q_k[:, lo:hi].transpose(1, 2), dz)
+                dq[:, lo:hi] = dq_raw * (kappa[:, lo:hi] * _rows(bb, lo, hi))
+                grid.add_outer(dk_t, q_k[:, lo:hi].transpose(1, 2), dz, c0)
             dk = dk_t[..., :S].transpose(1, 2).contiguous()
             if kernel.anchor is None and not entmax_rule and S > 0:  # m_t = max_s c_ts moves
                 _add_max_gradient(dq, dk, q, k, arg, -(kappa * bb) * row_sum)
+        dbeta = dbeta.view(B, H, n, 1).sum_to_size(beta.shape)
         return (dq.view(queries.shape).to(queries.dtype), dk.view(keys.shape).to(keys.dtype),
                 dv_t[..., :S].transpose(1, 2).reshape(values.shape).to(values.dtype),
-                dbeta.view(B, H, n).sum(dim=(0, 2)).to(beta.dtype), None, None)
+                dbeta.to(beta.dtype), None, None)
+
+
+def _flat_rows(beta: Tensor, batch: int, heads: int) -> Tensor:
+    """(B or 1, H, n or 1, 1) bandwidths as (B H, n or 1, 1), matching (B H, n, .) rows."""
+    return beta.expand(batch, heads, *beta.shape[2:]).reshape(batch * heads, beta.shape[2], 1)
+
+
+def _rows(x: Tensor, a: int, b: int) -> Tensor:
+    """Rows a..b-1 of a (B H, n, 1) per-row number; a (B H, 1, 1) one as is."""
+    return x[:, a:b] if x.shape[1] > 1 else x
 
 
 def _row_factors(total: Tensor, r: float, entmax_rule: bool) -> tuple[Tensor, Tensor]:
