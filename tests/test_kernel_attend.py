@@ -319,15 +319,16 @@ def test_low_precision_and_autocast(name):
     assert torch.isfinite(k16.grad.float()).all() and torch.isfinite(v16.grad.float()).all()
 
 
-POWER_KERNELS = [("epanechnikov", {}), ("biweight", {}), ("entmax", {"r": 0.5}),
-                 ("relumax", {"r": 2.0, "b": 0.5}), ("relumax", {}), ("epanechnikov_fixed", {})]
+TILED_KERNELS = [("epanechnikov", {}), ("biweight", {}), ("entmax", {"r": 0.5}),
+                 ("relumax", {"r": 2.0, "b": 0.5}), ("relumax", {}), ("epanechnikov_fixed", {}),
+                 ("gaussian_knn", {"k": 3}), ("uniform_knn", {"k": 5})]
 
 
 @pytest.mark.parametrize("pattern", ["window_documents", "gap_per_query"])
-@pytest.mark.parametrize("name,kwargs", POWER_KERNELS,
-                         ids=[f"{n}-{len(kw)}" for n, kw in POWER_KERNELS])
-def test_power_tiles_over_many_chunks_match_the_reference(name, kwargs, pattern):
-    """The fused tiles of the power kernels over many row tiles whose columns start off the
+@pytest.mark.parametrize("name,kwargs", TILED_KERNELS,
+                         ids=[f"{n}-{len(kw)}" for n, kw in TILED_KERNELS])
+def test_fused_tiles_over_many_chunks_match_the_reference(name, kwargs, pattern):
+    """The fused tiles of the power and kNN kernels over many row tiles whose columns start off the
     16-column blocks (intervals), and over the strict past with a gap (a bandwidth per
     query): outputs and all gradients equal the per-row reference."""
     kernel = make_kernel(name, kwargs)

@@ -17,6 +17,8 @@ blocks alone gives them. Everything after that works on the k selected entries p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -24,7 +26,7 @@ from torch.autograd.function import once_differentiable
 
 from .base import register_kernel
 from .normalizers import BLOCK, block_max, entmax_backward, shifted_scores, work_dtype
-from .score_kernel import ScoreKernel, _head_rows, _PastTiles, check_positive_int
+from .score_kernel import ScoreKernel, _flat_rows, _Tiles, check_positive_int
 
 
 def top_k_support(x: Tensor, k: int) -> Tensor:
@@ -63,7 +65,12 @@ class _KNNKernel(ScoreKernel):
 
     def retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                   offset: int) -> Tensor:
-        return _TopKRetrieval.apply(queries, keys, values, beta, self, offset)
+        return self.tiled(queries, keys, values, beta.view(1, -1, 1, 1),
+                          self.past_tiles(offset))
+
+    def tiled(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
+              tiles: Callable[..., _Tiles]) -> Tensor:
+        return _TopKRetrieval.apply(queries, keys, values, beta, self, tiles)
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, k={self.k}"
@@ -114,7 +121,8 @@ def _weighted_rows(x: Tensor, rows: Tensor, w: Tensor) -> Tensor:
 
 
 class _TopKRetrieval(torch.autograd.Function):
-    """Strict-past retrieval with a kNN kernel: per tile of query rows the score GEMM and the
+    """Retrieval with a kNN kernel over :class:`_Tiles` (the strict past with an offset, or
+    visible intervals; beta (B or 1, H, n or 1, 1)): per tile of query rows the score GEMM and the
     exact top k (:func:`top_k_blocks`); saved: the k columns and cosines per row. The weights,
     the output and the whole backward work on those k entries: bag-sums of k key or value rows
     (``embedding_bag``), one gather of k value rows per query and index-adds into dK and dV,
@@ -122,7 +130,7 @@ class _TopKRetrieval(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
-                kernel: _KNNKernel, offset: int) -> Tensor:
+                kernel: _KNNKernel, tiles: Callable[..., _Tiles]) -> Tensor:
         B, H, n, _ = queries.shape
         S, hv = keys.shape[2], values.shape[-1]
         wd = work_dtype(queries.dtype)
@@ -132,13 +140,14 @@ class _TopKRetrieval(torch.autograd.Function):
             top = min(kernel.k, S)
             cos = q.new_full((B * H, n, top), float("-inf"))
             idx = torch.zeros(B * H, n, top, dtype=torch.long, device=q.device)
-            tiles = _PastTiles(kernel, q, k, v, offset, 1)
-            for lo, hi, _, width in tiles:
-                s = tiles.scores(q, lo, hi, 0, width)
+            grid = tiles(q, k, v, 1)
+            for lo, hi, c0, c1 in grid:
+                s = grid.scores(q, lo, hi, c0, c1)
                 kk = min(top, s.shape[-1])
                 cos[:, lo:hi, :kk], idx[:, lo:hi, :kk] = top_k_blocks(s, kk)
+                idx[:, lo:hi, :kk] += c0
             rows = _flat_index(idx.clamp_(max=max(S - 1, 0)), S).view(B * H * n, top)  # p = 0
-            p = kernel.top_weights(cos, _head_rows(beta.detach().to(wd), B)) if top else cos
+            p = kernel.top_weights(cos, _flat_rows(beta.detach().to(wd), B, H)) if top else cos
             out = (_weighted_rows(v.reshape(-1, hv), rows, p.view(B * H * n, top)) if S > 0
                    else q.new_zeros(B * H * n, hv))
         ctx.kernel, ctx.rows = kernel, (cos, rows, p)
@@ -162,7 +171,7 @@ class _TopKRetrieval(torch.autograd.Function):
             p, cos = p.view(B * H * n, top), cos.view(B * H * n, top)
             dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
             dbeta = q.new_zeros(B * H * n)
-            bb = beta.to(wd).repeat(B).repeat_interleave(n).view(-1, 1)  # per flat row
+            bb = _flat_rows(beta.to(wd), B, H).expand(B * H, n, 1).reshape(-1, 1)  # per flat row
             scores_move = isinstance(kernel, GaussianKNNKernel)
             chunk = max(1, kernel.chunk_elements // max(1, top * max(hs, hv)))
             buf = q.new_empty(min(chunk, B * H * n) * top * max(hs, hv))
@@ -186,4 +195,4 @@ class _TopKRetrieval(torch.autograd.Function):
                                                  out=outer).view(-1, hs))
         return (dq.view(queries.shape).to(queries.dtype), dk.view(keys.shape).to(keys.dtype),
                 dv.view(values.shape).to(values.dtype),
-                dbeta.view(B, H, n).sum(dim=(0, 2)).to(beta.dtype), None, None)
+                dbeta.view(B, H, n, 1).sum_to_size(beta.shape).to(beta.dtype), None, None)

@@ -108,21 +108,50 @@ class ScoreKernel(Kernel):
         y = retrieve(self, queries, state["keys"], state["values"], beta, offset)
         return y, state
 
+    def tiled(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
+              tiles: Callable[..., _Tiles]) -> Tensor | None:
+        """The kernel's fused retrieval over the :class:`_Tiles` that ``tiles(q, k, v,
+        n_buffers)`` makes, with beta (B or 1, H, n or 1, 1); None (the default) where the
+        kernel has none (:meth:`attend` then takes the generic chunked path)."""
+        return None
+
     def attend(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                lo: Tensor, hi: Tensor) -> Tensor:
         """Retrieval over per-query intervals lo[i] <= j <= hi[i] (see :meth:`Kernel.attend`)
-        with a bandwidth per head or per query: chunks of query rows, each over the memory
-        columns its rows can see (:class:`_IntervalRetrieval`). Intervals 0..i+d with one
-        bandwidth per head (the strict past, a gap) take the kernel's strict-past path,
-        :func:`retrieve` with offset d."""
+        with a bandwidth per head or per query. Intervals 0..i+d with one bandwidth per head
+        (the strict past, a gap) take the kernel's strict-past path (:func:`retrieve` with
+        offset d); other intervals and per-query bandwidths the kernel's fused tiles
+        (:meth:`tiled`) where it has them, else chunks of query rows over the columns they
+        can see (:class:`_IntervalRetrieval`)."""
         beta4 = check_attend_args(queries, keys, values, beta, lo, hi)
-        if beta.dim() == 1:
-            offset = causal_offset(lo, hi)
-            if offset is not None:
-                return retrieve(self, queries, keys, values, beta, offset)
         B, H = queries.shape[:2]
+        offset = causal_offset(lo, hi)
+        if beta.dim() == 1 and offset is not None:
+            return retrieve(self, queries, keys, values, beta, offset)
+        tiles = (self.past_tiles(offset) if offset is not None
+                 else self.interval_tiles(lo, hi, keys.shape[2], B, H))
+        y = self.tiled(queries, keys, values, beta4, tiles)
+        if y is not None:
+            return y
         plan = attend_plan(lo, hi, keys.shape[2], B * H, self.chunk_elements)
         return _IntervalRetrieval.apply(queries, keys, values, beta4, lo, hi, self, plan)
+
+    def past_tiles(self, offset: int) -> Callable[..., _Tiles]:
+        """The ``tiles`` argument of :meth:`tiled` for the strict past with an offset."""
+        def tiles(q: Tensor, k: Tensor, v: Tensor, n_buffers: int) -> _Tiles:
+            return _PastTiles(self, q, k, v, offset, n_buffers)
+        return tiles
+
+    def interval_tiles(self, lo: Tensor, hi: Tensor, S: int, batch: int,
+                       heads: int) -> Callable[..., _Tiles]:
+        """The ``tiles`` argument of :meth:`tiled` for the intervals lo[i] <= j <= hi[i] over
+        S entries (row chunks of :func:`~.base.attend_plan`, at most TILE_ROWS rows)."""
+        plan = attend_plan(lo, hi, S, batch * heads, self.chunk_elements, max_rows=TILE_ROWS)
+
+        def tiles(q: Tensor, k: Tensor, v: Tensor, n_buffers: int) -> _Tiles:
+            return _IntervalTiles(q, k, v, lo, hi, plan, batch, n_buffers)
+        return tiles
+
 
 def retrieve(kernel: ScoreKernel, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
              offset: int) -> Tensor:
@@ -374,29 +403,12 @@ class PowerKernel(ScoreKernel):
 
     def retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                   offset: int) -> Tensor:
-        def tiles(q: Tensor, k: Tensor, v: Tensor, n_buffers: int) -> _Tiles:
-            return _PastTiles(self, q, k, v, offset, n_buffers)
+        return self.tiled(queries, keys, values, beta.view(1, -1, 1, 1),
+                          self.past_tiles(offset))
 
-        return _PowerRetrieval.apply(queries, keys, values, beta.view(1, -1, 1, 1), self, tiles)
-
-    def attend(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
-               lo: Tensor, hi: Tensor) -> Tensor:
-        """:meth:`ScoreKernel.attend` in the fused tiles of :class:`_PowerRetrieval`, over the
-        strict past with an offset (lo <= 0, hi = i + d) or any intervals, with one bandwidth
-        per head or per query."""
-        beta4 = check_attend_args(queries, keys, values, beta, lo, hi)
-        B, H, n, _ = queries.shape
-        offset = causal_offset(lo, hi)
-        if offset is not None:
-            def tiles(q: Tensor, k: Tensor, v: Tensor, n_buffers: int) -> _Tiles:
-                return _PastTiles(self, q, k, v, offset, n_buffers)
-        else:
-            plan = attend_plan(lo, hi, keys.shape[2], B * H, self.chunk_elements,
-                               max_rows=TILE_ROWS)
-
-            def tiles(q: Tensor, k: Tensor, v: Tensor, n_buffers: int) -> _Tiles:
-                return _IntervalTiles(q, k, v, lo, hi, plan, B, n_buffers)
-        return _PowerRetrieval.apply(queries, keys, values, beta4, self, tiles)
+    def tiled(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
+              tiles: Callable[..., _Tiles]) -> Tensor:
+        return _PowerRetrieval.apply(queries, keys, values, beta, self, tiles)
 
 
 def _block_argmax(x: Tensor, bmax: Tensor) -> Tensor:
@@ -406,11 +418,6 @@ def _block_argmax(x: Tensor, bmax: Tensor) -> Tensor:
     inside = x.unflatten(-1, (BLOCK, nb)).gather(-1, block.unsqueeze(-2).expand(
         *block.shape[:-1], BLOCK, 1)).argmax(dim=-2)
     return inside * nb + block
-
-
-def _head_rows(x: Tensor, batch: int) -> Tensor:
-    """(H,) per-head numbers -> (B H, 1, 1), matching (B, H, ...) tensors seen as (B H, ...)."""
-    return x.repeat(batch).view(-1, 1, 1)
 
 
 class _Tiles:
