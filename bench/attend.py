@@ -9,7 +9,7 @@ For each kernel and length T, on random unit keys (B, H, T, hs) with queries = k
   visible entries): the chunked interval path;
 - ``gap``: lo = 0, hi = t - m (the long-term memory, m = 64);
 - ``window, beta_i`` and ``gap, beta_i``: the same with one bandwidth per query (the adaptive
-  bandwidth of v2; all equal here), which always takes the chunked interval path;
+  bandwidth of v2; all equal here), which takes the fused tiles of the power and kNN kernels;
 
 forward alone and forward + backward (gradients of keys, values and beta), and prints each
 time with its ratio to ``forward`` measured in the same process. Time: the fastest of
