@@ -357,6 +357,25 @@ def test_fused_tiles_over_many_chunks_match_the_reference(name, kwargs, pattern)
         torch.testing.assert_close(ours, ref, atol=1e-9, rtol=1e-7)
 
 
+@pytest.mark.parametrize("name,kwargs", [k for k in KERNELS if k[0] != "fska"],
+                         ids=[i for k, i in zip(KERNELS, IDS) if k[0] != "fska"])
+def test_one_decoding_query_over_a_shared_interval(name, kwargs):
+    """Decoding (one query, no gradients, the same interval in every batch row): the slice
+    path equals the per-row reference, with a bandwidth per head and per query, and outputs
+    0 for an interval that sees nothing."""
+    kernel = make_kernel(name, kwargs)
+    keys, values = unit(B, H, 40, HS, seed=60), randn(B, H, 40, HS, seed=61)
+    query = unit(B, H, 1, HS, seed=62)
+    for beta in (torch.tensor([3.0, 12.0], dtype=torch.float64),
+                 torch.tensor([[[2.5], [7.0]]], dtype=torch.float64)):
+        for lo, hi in ((-3, 39), (10, 25), (30, 45), (20, 19)):
+            bounds = torch.tensor([[lo]]), torch.tensor([[hi]])
+            with torch.no_grad():
+                got = kernel.attend(query, keys, values, beta, *bounds)
+            want = reference_attend(kernel, query, keys, values, beta, *bounds)
+            torch.testing.assert_close(got, want, **tolerance(name))
+
+
 def test_causal_offset_recognizes_the_strict_past_and_gaps():
     i = positions(6)
     assert causal_offset(torch.zeros_like(i), i - 1) == -1

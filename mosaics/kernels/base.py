@@ -398,6 +398,16 @@ def run_plan(plan: list[tuple[int, int, int, int]], n: int, zeros: Callable[[int
     return torch.cat(parts, dim=2)
 
 
+def shared_slice(lo: Tensor, hi: Tensor, S: int) -> tuple[int, int] | None:
+    """(a, b): the memory columns a..b-1 (b <= a: none) that one decoding query sees in every
+    batch row, when its interval is the same across the batch; None otherwise. One small
+    device-to-host read."""
+    first, last, top, end = torch.stack([lo.amin(), lo.amax(), hi.amin(), hi.amax()]).tolist()
+    if first != last or top != end:
+        return None
+    return max(first, 0), min(top, S - 1) + 1
+
+
 def interval_bounds(bound: Tensor, a: int, b: int, c0: int) -> Tensor:
     """Rows a..b-1 of (B or 1, n) interval bounds, relative to memory column c0."""
     return bound[:, a:b] - c0

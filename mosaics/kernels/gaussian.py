@@ -28,6 +28,7 @@ from .base import (
     interval_bounds,
     register_kernel,
     run_plan,
+    shared_slice,
     work_precision,
 )
 
@@ -105,14 +106,12 @@ class GaussianKernel(Kernel):
         offset = causal_offset(lo, hi)
         if offset is not None and offset <= 0:
             return self._causal_attend(queries, keys, values, scale, -offset, drop)
-        if n == 1 and drop == 0.0:  # decoding: one query row
-            first, last, top, end = torch.stack(  # one device-to-host read
-                [lo.amin(), lo.amax(), hi.amin(), hi.amax()]).tolist()
-            if first == last and top == end:  # one interval for the whole batch: a slice
-                a, b = max(first, 0), min(top, keys.shape[2] - 1) + 1
-                if b <= a:
-                    return values.new_zeros(B, H, 1, values.shape[-1])
-                return decode_softmax(queries, keys[:, :, a:b], values[:, :, a:b], scale)
+        cols = shared_slice(lo, hi, keys.shape[2]) if n == 1 and drop == 0.0 else None
+        if cols is not None:  # decoding, one interval for the whole batch: a slice
+            a, b = cols
+            if b <= a:
+                return values.new_zeros(B, H, 1, values.shape[-1])
+            return decode_softmax(queries, keys[:, :, a:b], values[:, :, a:b], scale)
         plan = attend_plan(lo, hi, keys.shape[2], B * H, self.chunk_elements)
         if drop == 0.0:
             y = interval_attention(queries * scale, keys, values, lo, hi, plan)

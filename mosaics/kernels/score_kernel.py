@@ -37,6 +37,7 @@ from .base import (
     check_attend_args,
     decode_row,
     interval_mask,
+    shared_slice,
 )
 from .normalizers import BLOCK, block_max, entmax_power, pad_to_block, work_dtype
 
@@ -125,6 +126,13 @@ class ScoreKernel(Kernel):
         can see (:class:`_IntervalRetrieval`)."""
         beta4 = check_attend_args(queries, keys, values, beta, lo, hi)
         B, H = queries.shape[:2]
+        if queries.shape[2] == 1 and beta4.shape[0] == 1 and not (torch.is_grad_enabled() and any(
+                t.requires_grad for t in (queries, keys, values, beta))):
+            cols = shared_slice(lo, hi, keys.shape[2])
+            if cols is not None:  # decoding, one interval for the whole batch: a slice
+                a, b = cols
+                return decode_row(self, queries, keys[:, :, a:max(a, b)],
+                                  values[:, :, a:max(a, b)], beta4.reshape(H))
         offset = causal_offset(lo, hi)
         if beta.dim() == 1 and offset is not None:
             return retrieve(self, queries, keys, values, beta, offset)
