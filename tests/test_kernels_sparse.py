@@ -447,6 +447,18 @@ def test_custom_score_kernel_from_the_docs(tiny_config):
     ref = reference_forward("relumax", {"r": 3.0, "b": 0.5}, keys.detach(), values.detach(),
                             beta.detach())
     torch.testing.assert_close(kernel(keys, values, beta).detach(), ref)
+    # attend over windows with a bandwidth per query: the generic chunked path (no fused
+    # tiles) against relumax r 3 on its fused tiles
+    T = 6
+    i = torch.arange(T).view(1, T)
+    lo, hi = i - 3, i - 1
+    per_query = (beta.detach().view(1, 2, 1) * (1.0 + 0.1 * i).view(1, 1, T)).requires_grad_()
+    ours = kernel.attend(keys, keys, values, per_query, lo, hi)
+    tiled = get_kernel("relumax", r=3.0, b=0.5).attend(keys, keys, values, per_query, lo, hi)
+    torch.testing.assert_close(ours, tiled)
+    for a, b in zip(torch.autograd.grad(ours.sum(), (keys, values, per_query)),
+                    torch.autograd.grad(tiled.sum(), (keys, values, per_query))):
+        torch.testing.assert_close(a, b)
     model = MosaicsForCausalLM(tiny_config(kernel="test_cubic_relu", kernel_kwargs={"b": 0.5}))
     ids = torch.randint(0, 61, (1, 9))
     assert torch.isfinite(model(ids, labels=ids, use_cache=False).loss)

@@ -102,19 +102,18 @@ class ScoreKernel(Kernel):
     def extend(self, state: KernelState, queries: Tensor, keys: Tensor, values: Tensor,
                beta: Tensor) -> tuple[Tensor, KernelState]:
         state = append_memory(state, keys, values)
-        if queries.shape[2] == 1 and not (torch.is_grad_enabled() and any(
-                t.requires_grad for t in (queries, keys, values, beta))):
+        if queries.shape[2] == 1 and not _needs_grad(queries, keys, values, beta):
             return decode_row(self, queries, state["keys"], state["values"], beta), state
         offset = state["keys"].shape[2] - queries.shape[2]
         y = retrieve(self, queries, state["keys"], state["values"], beta, offset)
         return y, state
 
     def tiled(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
-              tiles: Callable[..., _Tiles]) -> Tensor | None:
+              tiles: Callable[..., _Tiles]) -> Tensor:
         """The kernel's fused retrieval over the :class:`_Tiles` that ``tiles(q, k, v,
-        n_buffers)`` makes, with beta (B or 1, H, n or 1, 1); None (the default) where the
-        kernel has none (:meth:`attend` then takes the generic chunked path)."""
-        return None
+        n_buffers)`` makes, with beta (B or 1, H, n or 1, 1). Optional: a kernel that does not
+        override it takes the generic chunked path in :meth:`attend`."""
+        raise NotImplementedError(f"kernel {self.name!r} has no fused tiles")
 
     def attend(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                lo: Tensor, hi: Tensor) -> Tensor:
@@ -126,23 +125,22 @@ class ScoreKernel(Kernel):
         can see (:class:`_IntervalRetrieval`)."""
         beta4 = check_attend_args(queries, keys, values, beta, lo, hi)
         B, H = queries.shape[:2]
-        if queries.shape[2] == 1 and beta4.shape[0] == 1 and not (torch.is_grad_enabled() and any(
-                t.requires_grad for t in (queries, keys, values, beta))):
+        if queries.shape[2] == 1 and beta4.shape[0] == 1 and not _needs_grad(
+                queries, keys, values, beta):
             cols = shared_slice(lo, hi, keys.shape[2])
             if cols is not None:  # decoding, one interval for the whole batch: a slice
-                a, b = cols
-                return decode_row(self, queries, keys[:, :, a:max(a, b)],
-                                  values[:, :, a:max(a, b)], beta4.reshape(H))
+                a, b = cols[0], max(cols)
+                return decode_row(self, queries, keys[:, :, a:b], values[:, :, a:b],
+                                  beta4.reshape(H))
         offset = causal_offset(lo, hi)
         if beta.dim() == 1 and offset is not None:
             return retrieve(self, queries, keys, values, beta, offset)
+        if type(self).tiled is ScoreKernel.tiled:  # no fused tiles: the generic chunks
+            plan = attend_plan(lo, hi, keys.shape[2], B * H, self.chunk_elements)
+            return _IntervalRetrieval.apply(queries, keys, values, beta4, lo, hi, self, plan)
         tiles = (self.past_tiles(offset) if offset is not None
                  else self.interval_tiles(lo, hi, keys.shape[2], B, H))
-        y = self.tiled(queries, keys, values, beta4, tiles)
-        if y is not None:
-            return y
-        plan = attend_plan(lo, hi, keys.shape[2], B * H, self.chunk_elements)
-        return _IntervalRetrieval.apply(queries, keys, values, beta4, lo, hi, self, plan)
+        return self.tiled(queries, keys, values, beta4, tiles)
 
     def past_tiles(self, offset: int) -> Callable[..., _Tiles]:
         """The ``tiles`` argument of :meth:`tiled` for the strict past with an offset."""
@@ -159,6 +157,11 @@ class ScoreKernel(Kernel):
         def tiles(q: Tensor, k: Tensor, v: Tensor, n_buffers: int) -> _Tiles:
             return _IntervalTiles(q, k, v, lo, hi, plan, batch, n_buffers)
         return tiles
+
+
+def _needs_grad(*tensors: Tensor) -> bool:
+    """Whether autograd will want gradients of any of these tensors here."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def retrieve(kernel: ScoreKernel, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
