@@ -424,6 +424,70 @@ def test_backward_saves_no_quadratic_tensor(name, pattern):
     out.sum().backward()
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_fska_linear_intervals_match_the_per_row_reference(case):
+    """FSKA's linear-time interval path (chunk prefix states plus the partial chunks at both
+    ends), chunks of 3 entries, one bandwidth per head, every interval pattern."""
+    kernel = make_kernel("fska", {"chunk_size": 3})
+    kernel.linear_intervals = True
+    q, k, v, beta, lo, hi = make_case(case)
+    beta = torch.tensor([3.0, 12.0], dtype=v.dtype)  # per head: the linear path's case
+    self_queries = q is k
+    k, v, beta = (x.clone().requires_grad_() for x in (k, v, beta))
+    q = k if self_queries else q.clone().requires_grad_()
+    inputs = [k, v, beta] if self_queries else [q, k, v, beta]
+    got = kernel.attend(q, k, v, beta, lo, hi)
+    want = reference_attend(kernel, q, k, v, beta, lo, hi)
+    torch.testing.assert_close(got, want, **tolerance("fska"))
+    if got.requires_grad:
+        for ours, ref in zip(grads(got, inputs), grads(want, inputs)):
+            torch.testing.assert_close(ours, ref, **tolerance("fska"))
+
+
+@pytest.mark.parametrize("pattern", ["window_documents", "shared_gap", "random"])
+def test_fska_linear_intervals_equal_the_dense_chunks(pattern):
+    """Many chunks (C 8, S 157 not a multiple of it), fp32: the linear path against the dense
+    per-chunk one, outputs and the gradients of queries, keys, values, beta and the flow."""
+    kernel = make_kernel("fska", {"chunk_size": 8})
+    T, n = 157, 150
+    keys = unit(B, H, T, HS, seed=21, dtype=torch.float32)
+    values = randn(B, H, T, HS, seed=22, dtype=torch.float32)
+    queries = unit(B, H, n, HS, seed=23, dtype=torch.float32)
+    i = positions(n) + 7
+    g = torch.Generator().manual_seed(6)
+    if pattern == "window_documents":
+        lo = torch.maximum(documents(n, [[0, 40, 41, 97], [0, 64, 130]]), i - 37)
+        hi = (i - 1).expand(B, n)
+    elif pattern == "shared_gap":
+        lo, hi = torch.zeros_like(i), i - 9
+    else:
+        a, b = torch.randint(-4, T + 4, (B, n), generator=g), torch.randint(-4, T + 4, (B, n),
+                                                                             generator=g)
+        lo, hi = torch.minimum(a, b), torch.maximum(a, b)
+    beta = torch.tensor([2.5, 9.0])
+    results = []
+    for linear in (True, False):
+        kernel.linear_intervals = linear
+        kernel.zero_grad()
+        q, k, v, bt = (x.clone().requires_grad_() for x in (queries, keys, values, beta))
+        y = kernel.attend(q, k, v, bt, lo, hi)
+        flow = [p for p in kernel.flow.parameters()]
+        results.append([y, *grads(y, [q, k, v, bt, *flow])])
+    for ours, ref in zip(*results):
+        torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_fska_takes_the_linear_path_where_it_computes_less():
+    kernel = make_kernel("fska", {"num_features": 96}, hs=64)
+    T = 1024
+    i = positions(T)
+    for lo, hi, S, linear in [(torch.zeros_like(i), i - 64, T, True),  # the long-term memory
+                              (torch.tensor([[0]]), torch.tensor([[T - 1]]), T, False)]:  # decode
+        plan = attend_plan(lo, hi, S, B * H, kernel.chunk_elements)
+        with torch.enable_grad():
+            assert kernel._linear_pays(plan, lo.shape[1], S, 64) is linear
+
+
 def test_fska_trains_with_fresh_frequencies_and_per_query_bandwidth():
     kernel = make_kernel("fska").train()
     q, k, v, beta, lo, hi = make_case("documents", dtype=torch.float32)

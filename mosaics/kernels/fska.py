@@ -34,6 +34,7 @@ from .base import (
     KernelState,
     attend_plan,
     bounds_mask,
+    causal_offset,
     check_attend_args,
     extend_mask,
     interval_bounds,
@@ -83,6 +84,128 @@ def causal_linear_attention(q_feat: Tensor, k_feat: Tensor, values: Tensor, chun
         num = num + q @ prev_s
         den = den + (q @ prev_z.unsqueeze(-1)).squeeze(-1)
     return merge_chunks(num / (den.unsqueeze(-1) + eps), T)
+
+
+class _IntervalLinear(torch.autograd.Function):
+    """[num, den] (B, H, n, D+1) of :func:`interval_linear_attention` from query features fq
+    (B, H, n, F), key features fk (B, H, S, F) and values with a column of ones v1 (B, H, S,
+    D+1). ``runs``: (sign, b, a, z, c), rows a..z-1 of bounds row b (all batch rows when
+    ``shared``) add sign * f_i . P_c; ``tiles``: (a, b, c0, c1, mask) dense ends. Gradients
+    are accumulated in place, one buffer per input (slicing under autograd would allocate a
+    zero gradient of the whole input per slice)."""
+
+    @staticmethod
+    def forward(ctx, fq: Tensor, fk: Tensor, v1: Tensor, chunk: int, runs: list, tiles: list,
+                shared: bool) -> Tensor:
+        B, H, S, D1 = v1.shape
+        nc = -(-S // chunk)
+        pad = nc * chunk - S
+        g = torch.nn.functional.pad(fk, (0, 0, 0, pad)).view(B, H, nc, chunk, -1)
+        vc = torch.nn.functional.pad(v1, (0, 0, 0, pad)).view(B, H, nc, chunk, D1)
+        prefix = torch.nn.functional.pad((g.transpose(-1, -2) @ vc).double().cumsum(2),
+                                         (0, 0, 0, 0, 1, 0))  # (B, H, nc + 1, F, D+1)
+        acc = v1.new_zeros(B, H, fq.shape[2], D1, dtype=torch.float64)
+        for sign, b, a, z, c in runs:
+            rows = slice(None) if shared else slice(b, b + 1)
+            acc[rows, :, a:z].add_(fq[rows, :, a:z].double() @ prefix[rows, :, c], alpha=sign)
+        out = acc.to(v1.dtype)
+        for a, b, c0, c1, mask in tiles:
+            w = torch.where(mask, fq[:, :, a:b] @ fk[:, :, c0:c1].transpose(-1, -2), 0.0)
+            out[:, :, a:b] += w @ v1[:, :, c0:c1]
+        ctx.save_for_backward(fq, fk, v1, prefix)
+        ctx.chunk, ctx.runs, ctx.tiles, ctx.shared = chunk, runs, tiles, shared
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out: Tensor):  # noqa: ANN205
+        fq, fk, v1, prefix = ctx.saved_tensors
+        chunk = ctx.chunk
+        B, H, S, D1 = v1.shape
+        d_fq, d_fk, d_v1 = torch.zeros_like(fq), torch.zeros_like(fk), torch.zeros_like(v1)
+        for a, b, c0, c1, mask in ctx.tiles:
+            q, k, v, do = fq[:, :, a:b], fk[:, :, c0:c1], v1[:, :, c0:c1], d_out[:, :, a:b]
+            w = torch.where(mask, q @ k.transpose(-1, -2), 0.0)
+            d_w = torch.where(mask, do @ v.transpose(-1, -2), 0.0)
+            d_v1[:, :, c0:c1] += w.transpose(-1, -2) @ do
+            d_fq[:, :, a:b] += d_w @ k
+            d_fk[:, :, c0:c1] += d_w.transpose(-1, -2) @ q
+        d_prefix = torch.zeros_like(prefix)
+        d64 = d_out.double()
+        acc = torch.zeros_like(fq, dtype=torch.float64)
+        for sign, b, a, z, c in ctx.runs:
+            rows = slice(None) if ctx.shared else slice(b, b + 1)
+            do = d64[rows, :, a:z]
+            acc[rows, :, a:z].add_(do @ prefix[rows, :, c].transpose(-1, -2), alpha=sign)
+            d_prefix[rows, :, c].add_(fq[rows, :, a:z].double().transpose(-1, -2) @ do,
+                                      alpha=sign)
+        d_fq += acc.to(fq.dtype)
+        # P_c = sum_{c' < c} states_c': states_c' collects the gradients of every later P
+        nc = prefix.shape[2] - 1
+        d_states = d_prefix[:, :, 1:].flip(2).cumsum(2).flip(2).to(v1.dtype)
+        pad = nc * chunk - S
+        g = torch.nn.functional.pad(fk, (0, 0, 0, pad)).view(B, H, nc, chunk, -1)
+        vc = torch.nn.functional.pad(v1, (0, 0, 0, pad)).view(B, H, nc, chunk, D1)
+        d_g = (vc @ d_states.transpose(-1, -2)).view(B, H, nc * chunk, -1)[:, :, :S]
+        d_vc = (g @ d_states).view(B, H, nc * chunk, D1)[:, :, :S]
+        return d_fq, d_fk + d_g, d_v1 + d_vc, None, None, None, None
+
+
+def _runs(e: Tensor, sign: int) -> list[tuple[int, int, int, int, int]]:
+    """(sign, b, a, z, c): the rows a..z-1 of bounds row b where ``e`` (B', n) holds one value
+    c > 0 (one small device-to-host copy)."""
+    out = []
+    for b, row in enumerate(e.tolist()):
+        a = 0
+        for i in range(1, len(row) + 1):
+            if i == len(row) or row[i] != row[a]:
+                if row[a] > 0:
+                    out.append((sign, b, a, i, row[a]))
+                a = i
+    return out
+
+
+def interval_linear_attention(fq: Tensor, fk: Tensor, values: Tensor, lo: Tensor, hi: Tensor,
+                              chunk: int, eps: float, elements: int) -> Tensor:
+    """y_i = sum_j w_ij v_j / (sum_j w_ij + eps), w_ij = f_i . g_j over lo[i] <= j <= hi[i], in
+    time linear in the interval lengths.
+
+    Args:
+        fq: (B, H, n, F) non-negative query features; fk: (B, H, S, F) key features.
+        values: (B, H, S, D).
+        lo, hi: (B or 1, n) integer bounds (clamped to the memory).
+        chunk: C, the grid of key chunks; elements: the size of one dense block.
+    Returns:
+        (B, H, n, D); rows that see nothing are 0.
+
+    The interval splits into the whole key chunks it covers, c = ceil(lo / C) .. floor((hi + 1)
+    / C) - 1, and two ends of fewer than C entries each. The whole chunks come from exclusive
+    prefix sums of the chunk states, P_c = sum_{c' < c} sum_{j in c'} g_j [v_j, 1]^T, as
+    f_i . P_hi - f_i . P_lo (float64, so the difference of two long sums keeps fp32 precision
+    for a short interval at the end of a long memory); the two ends are dense masked products.
+    The values carry a column of ones, so numerator and denominator come out together. Cost
+    O(n (F D + C (F + D))), against O(n w (F + D)) dense for intervals of w entries.
+    """
+    B, H, S, D = values.shape
+    first, last = lo.clamp_min(0), hi.clamp_max(S - 1)
+    c_lo = torch.div(first + chunk - 1, chunk, rounding_mode="floor")  # first whole chunk
+    e_hi = torch.div(last + 1, chunk, rounding_mode="floor")  # one past the last whole chunk
+    whole = c_lo < e_hi
+    zero = torch.zeros_like(c_lo)
+    runs = _runs(torch.where(whole, e_hi, zero), 1) + _runs(torch.where(whole, c_lo, zero), -1)
+    # the two ends: lo .. (first whole chunk) - 1, and what follows the whole chunks
+    ends = [(first, torch.minimum(last, c_lo * chunk - 1)),
+            (torch.where(whole, e_hi, c_lo) * chunk, last)]
+    tiles = []
+    for a_b, z_b in ends:
+        for a, b, c0, c1 in attend_plan(a_b, z_b, S, B * H, elements):
+            mask = bounds_mask(interval_bounds(a_b, a, b, c0), interval_bounds(z_b, a, b, c0),
+                               c1 - c0)
+            tiles.append((a, b, c0, c1, mask))
+    v1 = torch.cat([values, values.new_ones(B, H, S, 1)], dim=-1)  # [v, 1]
+    total = _IntervalLinear.apply(fq, fk, v1, chunk, runs, tiles, lo.shape[0] == 1 and B > 1)
+    num, den = total[..., :D], total[..., D:]
+    return num / (den.clamp_min(0.0) + eps).clamp_min(torch.finfo(den.dtype).tiny)
 
 
 SEGMENT_ELEMENTS = 2**18  # features per segment of the elu1 retrieval (B H rows x M'), ~1 MB
@@ -419,6 +542,9 @@ class FSKAKernel(Kernel):
         self._kl: Tensor | None = None
         self._beta: Tensor | None = None  # bandwidth of the last forward (for prefill_state)
         self._eval_cache: tuple[tuple, Tensor] | None = None
+        # attend at one bandwidth per head (elu1): None = the cheaper of the dense chunks and
+        # the linear-time path (interval_linear_attention), True / False = always one of them
+        self.linear_intervals: bool | None = None
 
     # -- construction -------------------------------------------------------------------
     def build(self, n_head: int, head_size: int) -> None:
@@ -533,12 +659,15 @@ class FSKAKernel(Kernel):
 
             y_i = sum_j k_ij v_j / (sum_j k_ij + eps),   k_ij = g(q_i) . g(k_j),
 
-        in its dense per-row form, chunk by chunk of query rows over the columns each chunk
-        sees (a prefix-sum state cannot drop the entries that leave a window). Every interval
-        and bandwidth is honoured exactly:
+        Every interval and bandwidth is honoured exactly:
 
-        - one bandwidth per head (H,): the features of all queries and keys once, then one
-          (rows, columns) product per chunk; cost O(n (h + chunk) M') for windows of h;
+        - one bandwidth per head (H,): the features of all queries and keys once; the strict
+          past (queries = keys) is :meth:`forward`; with the elu1 map, other intervals run in
+          linear time (:func:`interval_linear_attention`: differences of chunk prefix states
+          plus the two partial chunks at the ends) when that computes less than the dense
+          form (``_linear_pays``), which is chunk by chunk of query rows over the columns each
+          chunk sees, one (rows, columns) product each, cost O(n (h + chunk) M') for windows
+          of h;
         - one per query (B or 1, H, n): the frequencies sqrt(beta_i) u differ per query, so
           the keys' features are recomputed for every (query, key) pair of a chunk: cost
           O(n (h + chunk) M) sines and cosines (elu1) or exponentials (exp), far more.
@@ -552,6 +681,8 @@ class FSKAKernel(Kernel):
         beta4 = check_attend_args(queries, keys, values, beta, lo, hi)
         B, H, n, _ = queries.shape
         per_query = beta.dim() == 3
+        if not per_query and queries is keys and causal_offset(lo, hi) == -1:
+            return self.forward(keys, values, beta)  # the strict past: the chunked scan
         features = self.feature_dim if per_query else 1
         plan = attend_plan(lo, hi, keys.shape[2], B * H * features, self.chunk_elements)
         with torch.autocast(device_type=queries.device.type, enabled=False):
@@ -566,6 +697,11 @@ class FSKAKernel(Kernel):
                 root = beta.float().sqrt().view(-1, 1, 1)
                 qa, ka = self.features(q, u1 * root, u2 * root), self.features(k, u1 * root,
                                                                                u2 * root)
+                if self.positive == "elu1" and self._linear_pays(plan, n, k.shape[2],
+                                                                          v.shape[-1]):
+                    y = interval_linear_attention(qa[0], ka[0], v, lo, hi, self.chunk_size,
+                                                  self.eps, self.chunk_elements)
+                    return y.to(values.dtype)
                 scale = None
                 chunk = self._feature_chunk
             def args(a: int, b: int, c0: int, c1: int) -> tuple:
@@ -577,6 +713,22 @@ class FSKAKernel(Kernel):
             y = run_plan(plan, n, lambda m: v.new_zeros(B, H, m, v.shape[-1]), chunk, args,
                          torch.is_grad_enabled())
         return y.to(values.dtype)
+
+    def _linear_pays(self, plan: list[tuple[int, int, int, int]], n: int, S: int,
+                     hv: int) -> bool:
+        """Whether :func:`interval_linear_attention` is the faster, by multiply-adds: S F hv for
+        the chunk states and n (4 F hv + 2 C (F + hv)) for the rows (float64 prefix products
+        counted twice), against sum rows x columns x (F + hv) for the dense chunks of
+        ``plan``, plus, under autograd, the whole-input zero gradient that each chunk's slices
+        allocate, n F + S (F + hv) per chunk. ``bench/attend.py --kernels fska`` checks the
+        choice (windows of 256 and gaps, T 1024-8192). ``linear_intervals`` forces either."""
+        if self.linear_intervals is not None:
+            return self.linear_intervals
+        f, c = self.feature_dim, self.chunk_size
+        dense = sum((b - a) * (c1 - c0) for a, b, c0, c1 in plan) * (f + hv)
+        if torch.is_grad_enabled():
+            dense += len(plan) * (n * f + S * (f + hv))
+        return S * f * (hv + 1) + n * (4 * f * (hv + 1) + 2 * c * (f + hv)) < dense
 
     def _feature_chunk(self, q: list[Tensor], k: list[Tensor], v: Tensor, lo: Tensor,
                        hi: Tensor, scale: None) -> Tensor:
