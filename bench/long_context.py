@@ -2,7 +2,9 @@
 
 Models (same width, depth, heads and vocabulary; fp32; CPU): the v1 block with the gaussian,
 epanechnikov and FSKA kernels, the v2 block (gaussian; short-term window 256, long-term gap
-64), GPT-2 with PyTorch's fused attention (SDPA) and the rotary Llama baseline (SDPA).
+64), the v2 block with FSKA at one bandwidth per head (``adaptive_bandwidth=False``: its
+intervals in linear time; the adaptive bandwidth would give every query its own frequencies),
+GPT-2 with PyTorch's fused attention (SDPA) and the rotary Llama baseline (SDPA).
 Random tokens are drawn from 1 .. V - 1: token 0 separates v2's documents, so here every
 sequence is one document as long as the context.
 
@@ -52,7 +54,7 @@ from transformers import GPT2LMHeadModel, LlamaForCausalLM, PreTrainedModel
 from mosaics import MosaicsConfig, MosaicsForCausalLM
 from mosaics.baselines import gpt2_config_like, llama_config_like
 
-MODELS = ("v1-gaussian", "v1-epanechnikov", "v2-gaussian", "fska", "gpt2", "llama")
+MODELS = ("v1-gaussian", "v1-epanechnikov", "v2-gaussian", "v2-fska", "fska", "gpt2", "llama")
 BASELINE = "gpt2"
 
 
@@ -66,6 +68,10 @@ def build(name: str, args: argparse.Namespace, block_size: int) -> PreTrainedMod
         return MosaicsForCausalLM(MosaicsConfig(**sizes, kernel=kernel))
     if name == "v2-gaussian":
         return MosaicsForCausalLM(MosaicsConfig.v2(**sizes, kernel="gaussian",
+                                                   document_separator_id=0))
+    if name == "v2-fska":  # one bandwidth per head: FSKA's linear-time intervals
+        return MosaicsForCausalLM(MosaicsConfig.v2(**sizes, kernel="fska",
+                                                   adaptive_bandwidth=False,
                                                    document_separator_id=0))
     cfg = MosaicsConfig(**sizes)
     if name == "gpt2":

@@ -86,6 +86,21 @@ def causal_linear_attention(q_feat: Tensor, k_feat: Tensor, values: Tensor, chun
     return merge_chunks(num / (den.unsqueeze(-1) + eps), T)
 
 
+def _chunked(fk: Tensor, v1: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
+    """Key features (B, H, nc, C, F) and values (B, H, nc, C, D+1), zero-padded to nc C."""
+    B, H, S, D1 = v1.shape
+    nc = -(-S // chunk)
+    pad = nc * chunk - S
+    return (torch.nn.functional.pad(fk, (0, 0, 0, pad)).view(B, H, nc, chunk, -1),
+            torch.nn.functional.pad(v1, (0, 0, 0, pad)).view(B, H, nc, chunk, D1))
+
+
+def _prefix_states(g: Tensor, vc: Tensor) -> Tensor:
+    """P_c = sum over chunks c' < c of g^T [v, 1]: (B, H, nc + 1, F, D+1) float64, P_0 = 0."""
+    return torch.nn.functional.pad((g.transpose(-1, -2) @ vc).double().cumsum(2),
+                                   (0, 0, 0, 0, 1, 0))
+
+
 class _IntervalLinear(torch.autograd.Function):
     """[num, den] (B, H, n, D+1) of :func:`interval_linear_attention` from query features fq
     (B, H, n, F), key features fk (B, H, S, F) and values with a column of ones v1 (B, H, S,
@@ -98,12 +113,8 @@ class _IntervalLinear(torch.autograd.Function):
     def forward(ctx, fq: Tensor, fk: Tensor, v1: Tensor, chunk: int, runs: list, tiles: list,
                 shared: bool) -> Tensor:
         B, H, S, D1 = v1.shape
-        nc = -(-S // chunk)
-        pad = nc * chunk - S
-        g = torch.nn.functional.pad(fk, (0, 0, 0, pad)).view(B, H, nc, chunk, -1)
-        vc = torch.nn.functional.pad(v1, (0, 0, 0, pad)).view(B, H, nc, chunk, D1)
-        prefix = torch.nn.functional.pad((g.transpose(-1, -2) @ vc).double().cumsum(2),
-                                         (0, 0, 0, 0, 1, 0))  # (B, H, nc + 1, F, D+1)
+        g, vc = _chunked(fk, v1, chunk)
+        prefix = _prefix_states(g, vc)
         acc = v1.new_zeros(B, H, fq.shape[2], D1, dtype=torch.float64)
         for sign, b, a, z, c in runs:
             rows = slice(None) if shared else slice(b, b + 1)
@@ -112,16 +123,18 @@ class _IntervalLinear(torch.autograd.Function):
         for a, b, c0, c1, mask in tiles:
             w = torch.where(mask, fq[:, :, a:b] @ fk[:, :, c0:c1].transpose(-1, -2), 0.0)
             out[:, :, a:b] += w @ v1[:, :, c0:c1]
-        ctx.save_for_backward(fq, fk, v1, prefix)
+        ctx.save_for_backward(fq, fk, v1)  # the prefix states are recomputed in backward
         ctx.chunk, ctx.runs, ctx.tiles, ctx.shared = chunk, runs, tiles, shared
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out: Tensor):  # noqa: ANN205
-        fq, fk, v1, prefix = ctx.saved_tensors
+        fq, fk, v1 = ctx.saved_tensors
         chunk = ctx.chunk
         B, H, S, D1 = v1.shape
+        g, vc = _chunked(fk, v1, chunk)
+        prefix = _prefix_states(g, vc)
         d_fq, d_fk, d_v1 = torch.zeros_like(fq), torch.zeros_like(fk), torch.zeros_like(v1)
         for a, b, c0, c1, mask in ctx.tiles:
             q, k, v, do = fq[:, :, a:b], fk[:, :, c0:c1], v1[:, :, c0:c1], d_out[:, :, a:b]
@@ -143,9 +156,6 @@ class _IntervalLinear(torch.autograd.Function):
         # P_c = sum_{c' < c} states_c': states_c' collects the gradients of every later P
         nc = prefix.shape[2] - 1
         d_states = d_prefix[:, :, 1:].flip(2).cumsum(2).flip(2).to(v1.dtype)
-        pad = nc * chunk - S
-        g = torch.nn.functional.pad(fk, (0, 0, 0, pad)).view(B, H, nc, chunk, -1)
-        vc = torch.nn.functional.pad(v1, (0, 0, 0, pad)).view(B, H, nc, chunk, D1)
         d_g = (vc @ d_states.transpose(-1, -2)).view(B, H, nc * chunk, -1)[:, :, :S]
         d_vc = (g @ d_states).view(B, H, nc * chunk, D1)[:, :, :S]
         return d_fq, d_fk + d_g, d_v1 + d_vc, None, None, None, None
@@ -695,8 +705,8 @@ class FSKAKernel(Kernel):
                 chunk = self._pair_chunk
             else:
                 root = beta.float().sqrt().view(-1, 1, 1)
-                qa, ka = self.features(q, u1 * root, u2 * root), self.features(k, u1 * root,
-                                                                               u2 * root)
+                qa = self.features(q, u1 * root, u2 * root)
+                ka = qa if queries is keys else self.features(k, u1 * root, u2 * root)
                 if self.positive == "elu1" and self._linear_pays(plan, n, k.shape[2],
                                                                           v.shape[-1]):
                     y = interval_linear_attention(qa[0], ka[0], v, lo, hi, self.chunk_size,
