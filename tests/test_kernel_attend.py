@@ -444,7 +444,7 @@ def test_fska_linear_intervals_match_the_per_row_reference(case):
             torch.testing.assert_close(ours, ref, **tolerance("fska"))
 
 
-@pytest.mark.parametrize("pattern", ["window_documents", "shared_gap", "random"])
+@pytest.mark.parametrize("pattern", ["window_documents", "shared_gap", "mixed_rows", "random"])
 def test_fska_linear_intervals_equal_the_dense_chunks(pattern):
     """Many chunks (C 8, S 157 not a multiple of it), fp32: the linear path against the dense
     per-chunk one, outputs and the gradients of queries, keys, values, beta and the flow."""
@@ -460,6 +460,8 @@ def test_fska_linear_intervals_equal_the_dense_chunks(pattern):
         hi = (i - 1).expand(B, n)
     elif pattern == "shared_gap":
         lo, hi = torch.zeros_like(i), i - 9
+    elif pattern == "mixed_rows":  # lo shared by the batch, hi per batch row
+        lo, hi = torch.zeros_like(i), torch.cat([i - 9, i - 30])
     else:
         a, b = torch.randint(-4, T + 4, (B, n), generator=g), torch.randint(-4, T + 4, (B, n),
                                                                              generator=g)

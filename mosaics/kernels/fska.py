@@ -163,15 +163,14 @@ class _IntervalLinear(torch.autograd.Function):
 
 def _runs(e: Tensor, sign: int) -> list[tuple[int, int, int, int, int]]:
     """(sign, b, a, z, c): the rows a..z-1 of bounds row b where ``e`` (B', n) holds one value
-    c > 0 (one small device-to-host copy)."""
-    out = []
-    for b, row in enumerate(e.tolist()):
-        a = 0
-        for i in range(1, len(row) + 1):
-            if i == len(row) or row[i] != row[a]:
-                if row[a] > 0:
-                    out.append((sign, b, a, i, row[a]))
-                a = i
+    c > 0 (a few small device-to-host copies)."""
+    out, n = [], e.shape[1]
+    for b, row in enumerate(e):
+        edges = (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()
+        starts = [0, *edges]
+        for a, z, c in zip(starts, [*edges, n], row[starts].tolist(), strict=True):
+            if c > 0:
+                out.append((sign, b, a, z, c))
     return out
 
 
@@ -213,7 +212,7 @@ def interval_linear_attention(fq: Tensor, fk: Tensor, values: Tensor, lo: Tensor
                                c1 - c0)
             tiles.append((a, b, c0, c1, mask))
     v1 = torch.cat([values, values.new_ones(B, H, S, 1)], dim=-1)  # [v, 1]
-    total = _IntervalLinear.apply(fq, fk, v1, chunk, runs, tiles, lo.shape[0] == 1 and B > 1)
+    total = _IntervalLinear.apply(fq, fk, v1, chunk, runs, tiles, whole.shape[0] == 1 and B > 1)
     num, den = total[..., :D], total[..., D:]
     return num / (den.clamp_min(0.0) + eps).clamp_min(torch.finfo(den.dtype).tiny)
 
