@@ -20,7 +20,10 @@ V2_OPTIONS = [dict(gated_keys=True), dict(persistent_memory="swiglu"),
               dict(adaptive_bandwidth=True), SMALL_LEVELS, dict(document_masking=True),
               dict(adaptive_bandwidth=True, document_masking=True, kernel="epanechnikov"),
               dict(gated_keys=True, adaptive_bandwidth=True, document_masking=True,
-                   persistent_memory="swiglu", **SMALL_LEVELS)]
+                   persistent_memory="swiglu", **SMALL_LEVELS),
+              dict(kernel="fska", gated_keys=True, document_masking=True, **SMALL_LEVELS,
+                   kernel_kwargs=dict(num_features=6, flow_hidden=8, flow_layers=1,
+                                      chunk_size=4, linear_intervals=True))]
 SEP = 0  # the document separator (eos) of these tests
 
 

@@ -516,6 +516,9 @@ class FSKAKernel(Kernel):
         chunk_size: chunk length C of the linear-attention scan.
         eps: denominator guard.
         seed: seed of the initial weights, the prior and the eval-time frequencies.
+        linear_intervals: :meth:`attend` at one bandwidth per head with the elu1 map: None
+            takes the cheaper of the dense chunks and the linear-time path, True / False
+            always the one or the other.
     The per-head modules are created by :meth:`build` (the memory block calls it right after
     construction, so weights exist before a checkpoint is loaded).
     """
@@ -523,7 +526,7 @@ class FSKAKernel(Kernel):
     def __init__(self, num_features: int = 96, flow_layers: int = 5, flow_hidden: int = 64,
                  prior_components: int = 10, lambda_spec: float = 1e-3,
                  positive: str = "elu1", chunk_size: int = 64, eps: float = 1e-20,
-                 seed: int = 0) -> None:
+                 seed: int = 0, linear_intervals: bool | None = None) -> None:
         super().__init__()
         for key, value, low in (("num_features", num_features, 1), ("flow_layers", flow_layers, 0),
                                 ("flow_hidden", flow_hidden, 1),
@@ -532,6 +535,9 @@ class FSKAKernel(Kernel):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"fska kernel_kwargs: {key} must be an integer >= {low}, "
                                  f"got {value!r}")
+        if linear_intervals not in (None, True, False):
+            raise ValueError(f"fska kernel_kwargs: linear_intervals must be null, true or "
+                             f"false, got {linear_intervals!r}")
         if positive not in POSITIVE_MAPS:
             raise ValueError(f"fska kernel_kwargs: positive must be one of {POSITIVE_MAPS}, "
                              f"got {positive!r}")
@@ -551,9 +557,7 @@ class FSKAKernel(Kernel):
         self._kl: Tensor | None = None
         self._beta: Tensor | None = None  # bandwidth of the last forward (for prefill_state)
         self._eval_cache: tuple[tuple, Tensor] | None = None
-        # attend at one bandwidth per head (elu1): None = the cheaper of the dense chunks and
-        # the linear-time path (interval_linear_attention), True / False = always one of them
-        self.linear_intervals: bool | None = None
+        self.linear_intervals = linear_intervals
 
     # -- construction -------------------------------------------------------------------
     def build(self, n_head: int, head_size: int) -> None:
