@@ -565,7 +565,7 @@ def _round_up(x: int, m: int) -> int:
 def _tile_rows(kernel: ScoreKernel, batch_heads: int, n: int, S: int) -> int:
     """Query rows per tile: at most ``chunk_elements`` scores and TILE_ROWS rows. Per tile
     there is a fixed cost (~100 small ops) and a wasted triangle of rows^2 / 2 masked scores;
-    64-96 rows measured fastest for forward + backward (``bench/kernels.py``)."""
+    64-96 rows measured fastest for forward + backward (``bench/kernel_speed.py``)."""
     return max(1, min(_rows_per_chunk(kernel, batch_heads, S), TILE_ROWS))
 
 
