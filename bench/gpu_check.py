@@ -183,6 +183,8 @@ def kernel_speed(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     H, hs = args.kernel_heads, args.kernel_head_size
     rows = []
+    print(f"{'T':>6} {'kernel':>20} {'fwd+bwd ms':>11} {'vs gaussian':>12} {'peak MB':>9}  backend",
+          flush=True)
     for T in args.kernel_lengths:
         g = torch.Generator(device="cpu").manual_seed(0)
         keys = torch.nn.functional.normalize(torch.randn(1, H, T, hs, generator=g), dim=-1)
@@ -209,21 +211,23 @@ def kernel_speed(args: argparse.Namespace) -> list[dict[str, Any]]:
                 if args.device.startswith("cuda"):
                     torch.cuda.empty_cache()
             rows.append(row)
-    print(f"{'T':>6} {'kernel':>20} {'fwd+bwd ms':>11} {'vs gaussian':>12} {'peak MB':>9}  backend")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['T']:>6} {r['kernel']:>20}  {r['error']}")
-            continue
-        peak = f"{r['peak_mb']:.0f}" if r["peak_mb"] is not None else "-"
-        backend = r.get("backend", "")
-        if "chunked_ms" in r:
-            backend += (f" (chunked {r['chunked_ms']:.2f} ms, {r['adasplash_vs_chunked']:.2f}x;"
-                        f" max |diff| {r['max_abs_diff']:.1e})")
-        elif "backend_note" in r:
-            backend += f" ({r['backend_note']})"
-        print(f"{r['T']:>6} {r['kernel']:>20} {r['ms']:>11.2f} {r['vs_gaussian']:>12.2f} "
-              f"{peak:>9}  {backend}")
+            print_kernel_row(row)  # as it is measured: a run stopped at its limit keeps them
     return rows
+
+
+def print_kernel_row(r: dict[str, Any]) -> None:
+    if "error" in r:
+        print(f"{r['T']:>6} {r['kernel']:>20}  {r['error']}", flush=True)
+        return
+    peak = f"{r['peak_mb']:.0f}" if r["peak_mb"] is not None else "-"
+    backend = r.get("backend", "")
+    if "chunked_ms" in r:
+        backend += (f" (chunked {r['chunked_ms']:.2f} ms, {r['adasplash_vs_chunked']:.2f}x;"
+                    f" max |diff| {r['max_abs_diff']:.1e})")
+    elif "backend_note" in r:
+        backend += f" ({r['backend_note']})"
+    print(f"{r['T']:>6} {r['kernel']:>20} {r['ms']:>11.2f} {r['vs_gaussian']:>12.2f} "
+          f"{peak:>9}  {backend}", flush=True)
 
 
 # --- 4. DeepSpeed on one GPU -----------------------------------------------------------------
@@ -268,6 +272,14 @@ def deepspeed_resume(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def write_report(out: Path, report: dict[str, Any]) -> None:
+    """``<out>/gpu_check.json``, written atomically."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "gpu_check.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    tmp.replace(out / "gpu_check.json")
+
+
 # --- driver ------------------------------------------------------------------------------------
 
 SECTIONS = {"tests": run_tests, "throughput": throughput, "kernels": kernel_speed,
@@ -281,15 +293,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke run)")
     p.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     p.add_argument("--out", default="runs/gpu_check")
+    p.add_argument("--lengths", type=int, nargs="+", help="throughput: sequence lengths "
+                   "(default 512 2048)")
+    p.add_argument("--kernel-lengths", type=int, nargs="+", help="kernels: sequence lengths "
+                   "(default 1024 4096 16384)")
     args = p.parse_args(argv)
     big = not args.quick
     args.precision = "bf16" if args.device.startswith("cuda") else "fp32"
     args.n_layer, args.n_embd, args.n_head = (12, 768, 12) if big else (2, 64, 2)
     args.vocab = 50304 if big else 512
-    args.lengths = [512, 2048] if big else [64]
+    args.lengths = args.lengths or ([512, 2048] if big else [64])
     args.tokens_per_step = 16384 if big else 256
     args.steps, args.warmup = (10, 3) if big else (2, 1)
-    args.kernel_lengths = [1024, 4096, 16384] if big else [64, 128]
+    args.kernel_lengths = args.kernel_lengths or ([1024, 4096, 16384] if big else [64, 128])
     args.kernel_heads, args.kernel_head_size = (12, 64) if big else (2, 16)
     args.kernel_repeats, args.kernel_warmup = (5, 2) if big else (1, 1)
     args.tests_timeout, args.deepspeed_timeout = 240, 300
@@ -301,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
                               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available()
                               else None}
     failed = []
+    out = Path(args.out)
     for name in args.sections:
-        print(f"\n=== {name} ===")
+        print(f"\n=== {name} ===", flush=True)
         t0 = time.perf_counter()
         try:
             report[name] = SECTIONS[name](args)
@@ -313,9 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         report[f"{name}_seconds"] = time.perf_counter() - t0
         if name == "tests" and report[name].get("returncode", 0) not in (0, 5):
             failed.append(name)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+        write_report(out, report)  # after every section: a run stopped later keeps it
     print(f"\nreport: {out / 'gpu_check.json'}" + (f"; failed: {', '.join(failed)}"
                                                      if failed else ""))
     return 1 if failed else 0
