@@ -41,8 +41,10 @@ def test_kernel_on_cuda_matches_cpu(name: str) -> None:
         kernel = get_kernel(name)
         kernel.build(keys.shape[1], keys.shape[-1])
         kernel.to(device)
-        k = keys.to(device).requires_grad_()
-        v = values.to(device).requires_grad_()
+        # a copy per device: .to("cpu") returns the tensor itself, whose requires_grad would
+        # make the CUDA copy a non-leaf without .grad
+        k = keys.to(device, copy=True).requires_grad_()
+        v = values.to(device, copy=True).requires_grad_()
         out = kernel(k, v, beta.to(device))
         out.square().sum().backward()
         outs.append(out.detach().cpu())
