@@ -333,3 +333,14 @@ def test_an_alibi_job_trains_the_biased_model(tmp_path):
     assert model.config.alibi
     with pytest.raises(ValueError, match="alibi is an option"):
         experiments.extrapolation_model("mqmtar", "llama", None, proto, None, 99)
+
+
+def test_minutes_per_device_when_a_model_ran_on_several():
+    records = [{"job": {"label": "mosaics/gaussian"}, "device": "cpu", "seconds": 3600.0},
+               {"job": {"label": "mosaics/gaussian"}, "device": "cpu", "seconds": 2400.0},
+               {"job": {"label": "mosaics/gaussian"}, "device": "cuda:0", "seconds": 360.0},
+               {"job": {"label": "llama"}, "device": "cuda", "seconds": 240.0}]
+    seconds = sweep._job_seconds(records)
+    assert sweep._minutes("mosaics/gaussian", seconds) == "50.0 cpu / 6.0 cuda"
+    assert sweep._minutes("llama", seconds) == "4.0"
+    assert sweep._minutes("mosaics/relumax", seconds) == "-"

@@ -512,17 +512,24 @@ def regbench_markdown(merged: dict[str, Any]) -> str:
     return _markdown(header, rows)
 
 
-def _minutes(label: str, seconds: dict[str, list[float]]) -> str:
-    """Wall minutes of a model's jobs (mean over its jobs)."""
-    values = seconds.get(label)
-    return f"{np.mean(values) / 60:.1f}" if values else "-"
+def _minutes(label: str, seconds: dict[str, dict[str, list[float]]]) -> str:
+    """Wall minutes of a model's jobs (mean over its jobs), per device when its jobs ran on
+    more than one (``59.1 cpu / 6.0 cuda``)."""
+    by_device = seconds.get(label)
+    if not by_device:
+        return "-"
+    if len(by_device) == 1:
+        return f"{np.mean(next(iter(by_device.values()))) / 60:.1f}"
+    return " / ".join(f"{np.mean(v) / 60:.1f} {d}" for d, v in sorted(by_device.items()))
 
 
-def _job_seconds(records: list[dict[str, Any]]) -> dict[str, list[float]]:
-    seconds: dict[str, list[float]] = defaultdict(list)
+def _job_seconds(records: list[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
+    """Wall seconds of the jobs by label, then by the device they ran on."""
+    seconds: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for rec in records:
-        seconds[rec["job"]["label"]].append(float(rec.get("seconds", 0.0)))
-    return dict(seconds)
+        device = str(rec.get("device", "cpu")).split(":")[0]
+        seconds[rec["job"]["label"]][device].append(float(rec.get("seconds", 0.0)))
+    return {label: dict(v) for label, v in seconds.items()}
 
 
 def extrapolation_rows(records: list[dict[str, Any]]) -> dict[str, Any]:
