@@ -146,3 +146,16 @@ def test_task_protocol_schedule_pmem_and_kept_weights():
     assert lrs[0] > 0.99e-2 and lrs[-1] > 0.99e-2  # warm-up of 1 step, a 1000-step cosine
     with pytest.raises(ValueError, match="keep must be"):
         _fit_sort("first")
+
+
+def test_paper_code_preset_builds_the_paper_scripts_model():
+    """`--preset paper-code`: 2 layers of d 512, 8 heads of 64, 2688 persistent slots per head
+    and dropout 0.05 for Sort, and the schedule of the paper's training script."""
+    from mosaics.evaluation.experiments import EXTRAPOLATION_PRESETS, extrapolation_model
+
+    proto = EXTRAPOLATION_PRESETS["paper-code"]
+    cfg = extrapolation_model("sort", "mosaics", "epanechnikov", proto, None, 256).config
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.pmem_size) == (2, 512, 8, 2688)
+    assert cfg.dropout == 0.05 and cfg.kernel == "epanechnikov"
+    assert (proto.batch_size, proto.warmup_steps, proto.schedule_steps) == (256, 40000, 156250)
+    assert (proto.min_lr, proto.keep) == (5e-5, "last")

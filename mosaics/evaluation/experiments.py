@@ -115,6 +115,15 @@ EXTRAPOLATION_PRESETS["cpu-recall"] = replace(EXTRAPOLATION_PRESETS["cpu-learn"]
 # ... and at the paper's 20000 steps (Sort's 1x exact match still rises at 12000).
 EXTRAPOLATION_PRESETS["cpu-20k"] = replace(EXTRAPOLATION_PRESETS["cpu-learn"], steps=20000,
                                            eval_every=500)
+# The settings of the sparse-kernel paper's training script (docs/results.md, "Sort: this
+# project's protocol beside the paper's code"): batch 256, d 512 with 8 heads of 64, dropout
+# 0.05, 2688 persistent slots per head, 40000 warm-up steps, a cosine over 156250 steps to 5e-5,
+# the last validated weights scored, every 1000 steps. A GPU preset: one of its Sort jobs is
+# 156250 steps of batch 256.
+EXTRAPOLATION_PRESETS["paper-code"] = replace(
+    EXTRAPOLATION_PRESETS["reference"], steps=156250, batch_size=256, n_embd=512, n_head=8,
+    dropout=0.05, pmem_size=2688, warmup_steps=40000, schedule_steps=156250, min_lr=5e-5,
+    keep="last", eval_every=1000)
 
 
 def write_json(path: str | Path, obj: Any) -> None:
