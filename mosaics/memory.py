@@ -275,13 +275,20 @@ class ContextualMemory(nn.Module):
         n = keys.shape[2]
         if state is None:
             memory, base = {"keys": entry_keys, "values": values}, 0
-        else:
-            memory, base = append_memory(state.memory, entry_keys, values), state.base
+        else:  # the kernel's own entries (attend_step) stay beside the appended keys and values
+            memory = {**state.memory, **append_memory(state.memory, entry_keys, values)}
+            base = state.base
         gap = pos.gap if self.level == "long" and pos is not None else 1
         lo, hi = visible_interval(n, pos, self.window, gap, keys.device)
         beta = w.beta if self.adaptive is None else self.adaptive((hi - lo + 1).clamp(min=0))
-        y = self.kernel.attend(keys, memory["keys"], memory["values"], beta,
-                               (lo - base).clamp(min=0), hi - base)
+        step = None
+        if state is not None and n == 1:
+            step = self.kernel.attend_step(memory, keys, beta, lo, hi, base)
+        if step is not None:
+            y, memory = step
+        else:
+            y = self.kernel.attend(keys, memory["keys"], memory["values"], beta,
+                                   (lo - base).clamp(min=0), hi - base)
         if not use_cache:
             return y, None, base
         if state is None:  # v_{n-1} waits for x_n
@@ -292,15 +299,18 @@ class ContextualMemory(nn.Module):
     def _trim(self, memory: dict[str, Tensor], base: int,
               next_pos: int) -> tuple[dict[str, Tensor], int]:
         """Short-term memory: drop the entries older than the next query's window (the query
-        at p sees s >= p - h + 1) once they are as many as the window itself."""
+        at p sees s >= p - h + 1) once they are as many as the window itself. One entry more
+        is kept: the one that leaves the window at the next step (a kernel's running sums,
+        ``Kernel.attend_step``, subtract it then)."""
         if self.window is None:
             return memory, base
-        first = next_pos - self.window + 1  # oldest entry a later query can see
+        first = next_pos - self.window  # oldest entry the next step reads
         drop = first - base
         if drop < self.window:
             return memory, base
         # views of the kept entries: the next append moves them to a fresh buffer
-        return {k: t[:, :, drop:] for k, t in memory.items()}, first
+        return {k: t[:, :, drop:] if k in ("keys", "values") else t
+                for k, t in memory.items()}, first
 
     def extra_repr(self) -> str:
         return f"n_head={self.n_head}, leaky_chunk={self.chunk}, level={self.level!r}"

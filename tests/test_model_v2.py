@@ -259,3 +259,45 @@ def test_v2_preset_round_trip(tmp_path):
 def test_memory_level_options_are_checked(field, value, message):
     with pytest.raises(ValueError, match=message):
         _config(**{field: value})
+
+
+def test_fska_decodes_intervals_with_running_sums(monkeypatch):
+    """v2 FSKA at one bandwidth per head: after the prompt, every decoding step goes through
+    FSKAKernel.attend_step (running sums, never the dense attend) and equals the full forward,
+    across window trims and document restarts; each steady step forms features of O(1) keys."""
+    from mosaics.kernels import fska
+
+    options = dict(kernel="fska", gated_keys=True, document_masking=True, **SMALL_LEVELS,
+                   kernel_kwargs=dict(num_features=6, flow_hidden=8, flow_layers=1,
+                                      chunk_size=4))
+    torch.manual_seed(0)
+    model = MosaicsForCausalLM(_config(**options)).eval()
+    _gate_randomly(model)
+    ids = _with_documents(2, 48, seed=3)
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :10], use_cache=True)
+    rows = []
+    real = fska.elu1_features
+
+    def counting(x, w1, w2):
+        rows.append(x.shape[2])
+        return real(x, w1, w2)
+
+    def no_dense(*args, **kwargs):
+        raise AssertionError("a decoding step took the dense attend")
+
+    monkeypatch.setattr(fska.FSKAKernel, "attend", no_dense)
+    monkeypatch.setattr(fska, "elu1_features", counting)
+    cache, steps = out.cache, [out.logits]
+    with torch.no_grad():
+        for t in range(10, 48):
+            rows.clear()
+            out = model(ids[:, t:t + 1], cache=cache, use_cache=True)
+            cache = out.cache
+            steps.append(out.logits)
+            if t >= 30:  # past the first steps (each memory's sums start from its interval)
+                assert max(rows) <= 2 and len(rows) <= 5 * 2, rows
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
+    memory = cache.layers[0].context[0].memory  # the short-term memory keeps its sums
+    assert memory["run_S"].dtype == torch.float64 and memory["keys"].shape[2] <= 2 * 6

@@ -135,6 +135,22 @@ class Kernel(nn.Module):
             out.append(torch.cat(rows, dim=2) if rows else values.new_zeros(B, H, 0, hv))
         return torch.cat(out, dim=0)
 
+    def attend_step(self, memory: KernelState, query: Tensor, beta: Tensor, lo: Tensor,
+                    hi: Tensor, base: int) -> tuple[Tensor, KernelState] | None:
+        """Optional fast decoding step over visible intervals: one query per batch row.
+
+        Args:
+            memory: {"keys", "values": (B, H, S, hs)} holding the entries at absolute positions
+                base .. base + S - 1, plus whatever this method stored there on earlier steps.
+            query: (B, H, 1, hs) unit query; beta: (H,) or (B or 1, H, 1) bandwidths.
+            lo, hi: (B or 1, 1) absolute bounds of the entries the query sees.
+        Returns:
+            None to take :meth:`attend` (the default), or the (B, H, 1, hv) retrieval and the
+            memory to keep (extra entries in it must be batch-first tensors; the block slices
+            only "keys" and "values" when it drops old entries).
+        """
+        return None
+
     def weights(self, cos: Tensor, beta: Tensor, mask: Tensor) -> Tensor:
         """The normalizer as a function of a block of cosines: (B, H, n, S) cosines, (1, H, 1,
         1) bandwidth, bool mask broadcastable to the cosines -> (B, H, n, S) weights of the

@@ -727,6 +727,60 @@ class FSKAKernel(Kernel):
                          torch.is_grad_enabled())
         return y.to(values.dtype)
 
+    def attend_step(self, memory: KernelState, query: Tensor, beta: Tensor, lo: Tensor,
+                    hi: Tensor, base: int) -> tuple[Tensor, KernelState] | None:
+        """A decoding step over visible intervals in O(1) features per token (elu1 map, one
+        bandwidth per head, eval frequencies; otherwise None: :meth:`attend`).
+
+        The memory keeps the running sums over the entries the last step saw, in float64:
+        ``run_S`` = sum_j g(k_j) v_j^T (B, H, M', hv), ``run_z`` = sum_j g(k_j) (B, H, M'), and
+        that interval's absolute bounds ``run_lo``, ``run_hi`` (B,). The step adds the entries
+        that entered (lo .. hi grows at hi) and subtracts those that left (a window's oldest,
+        or a finished document's), each entry once; a row whose entries are no longer stored,
+        or whose new interval starts past the old one, restarts from its interval. Then
+        y = g(q) S / (g(q) . z + eps), as :meth:`attend`."""
+        if (self.training or self.positive != "elu1" or beta.dim() != 1
+                or self.linear_intervals is False or torch.is_grad_enabled()):
+            return None
+        self._check(query)
+        keys, values = memory["keys"], memory["values"]
+        B, H, S, hv = values.shape
+        lo = lo.reshape(-1).expand(B).clamp(min=base)
+        hi = hi.reshape(-1).expand(B).clamp(max=base + S - 1)
+        hi = torch.maximum(hi, lo - 1)  # an empty interval: lo .. lo - 1
+        f = self.feature_dim
+        with torch.autocast(device_type=query.device.type, enabled=False):
+            w1, w2 = self._eval_frequencies(beta)
+            if "run_S" in memory:
+                sums, zs = memory["run_S"], memory["run_z"]
+                cur_lo, cur_hi = memory["run_lo"], memory["run_hi"]
+                restart = (lo > cur_hi) | (cur_lo < base)
+                keep = (~restart).to(sums.dtype)
+                sums, zs = sums * keep.view(B, 1, 1, 1), zs * keep.view(B, 1, 1)
+                cur_lo = torch.where(restart, lo, cur_lo)
+                cur_hi = torch.where(restart, lo - 1, cur_hi)
+            else:
+                sums = values.new_zeros(B, H, f, hv, dtype=torch.float64)
+                zs = values.new_zeros(B, H, f, dtype=torch.float64)
+                cur_lo, cur_hi = lo, lo - 1
+            for start, stop, sign in ((cur_hi + 1, hi + 1, 1.0), (cur_lo, lo, -1.0)):
+                moves = stop > start  # the rows with entries to add (or subtract)
+                if not bool(moves.any()):
+                    continue
+                a, b = int(start[moves].min()), int(stop[moves].max())
+                j = torch.arange(a, b, device=query.device)
+                inside = (j >= start.view(B, 1)) & (j < stop.view(B, 1))  # (B, m)
+                fk = elu1_features(keys[:, :, a - base:b - base].float(), w1, w2).double()
+                fk = fk * inside.view(B, 1, -1, 1).to(fk.dtype)
+                sums = sums + sign * (fk.transpose(-1, -2) @ values[:, :, a - base:b - base]
+                                      .double())
+                zs = zs + sign * fk.sum(-2)
+            fq = elu1_features(query.float(), w1, w2).double()  # (B, H, 1, M')
+            den = (fq @ zs.unsqueeze(-1) + self.eps).clamp_min(torch.finfo(torch.float32).tiny)
+            y = (fq @ sums) / den
+        memory = {**memory, "run_S": sums, "run_z": zs, "run_lo": lo, "run_hi": hi}
+        return y.to(values.dtype), memory
+
     def _linear(self, q: Tensor, k: Tensor | None, v: Tensor, w1: Tensor, w2: Tensor,
                 lo: Tensor, hi: Tensor) -> Tensor:
         """:func:`interval_linear_attention` on the elu1 features of q and k (None: k = q),
