@@ -27,7 +27,7 @@ at 256 KiB: by default it grows after the first large free and later blocks are 
 already resident, from the heap, which hides them), so one case does not hide the next.
 Where clear_refs is unavailable, ``ru_maxrss`` is used (then a lower bound).
 
-    OMP_NUM_THREADS=1 python bench/kernel_speed.py                      # T = 256 ... 4096 (8192 fska)
+    OMP_NUM_THREADS=1 python bench/kernel_speed.py               # T = 256 ... 4096 (8192 fska)
     OMP_NUM_THREADS=1 python bench/kernel_speed.py --lengths 512 2048 --kernels epanechnikov relumax
     OMP_NUM_THREADS=1 python bench/kernel_speed.py --max-length triweight=2048 --repeats 5
     OMP_NUM_THREADS=1 python bench/kernel_speed.py --lengths 1024 4096 --no-package --rounds 3 \
