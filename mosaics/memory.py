@@ -282,11 +282,16 @@ class ContextualMemory(nn.Module):
         lo, hi = visible_interval(n, pos, self.window, gap, keys.device)
         beta = w.beta if self.adaptive is None else self.adaptive((hi - lo + 1).clamp(min=0))
         step = None
-        if state is not None and n == 1:
-            step = self.kernel.attend_step(memory, keys, beta, lo, hi, base)
+        if state is not None and (n == 1 or "run_S" in memory):  # query by query
+            step = self._steps(memory, keys, beta, lo, hi, base)
         if step is not None:
             y, memory = step
         else:
+            if base > 0 and "run_S" in memory and bool((lo < base).any()):
+                raise RuntimeError(
+                    "this decoding cache kept only the running sums of entries a query can "
+                    "still see, not the entries: continue it under torch.no_grad() with the "
+                    "model in eval mode (as generate does), or rebuild it from the prompt")
             y = self.kernel.attend(keys, memory["keys"], memory["values"], beta,
                                    (lo - base).clamp(min=0), hi - base)
         if not use_cache:
@@ -300,14 +305,43 @@ class ContextualMemory(nn.Module):
         start = n + (0 if pos is None else pos.start)  # absolute position of the next token
         return (y, *self._trim(memory, base, start))
 
+    def _steps(self, memory: dict[str, Tensor], queries: Tensor, beta: Tensor, lo: Tensor,
+               hi: Tensor, base: int) -> tuple[Tensor, dict[str, Tensor]] | None:
+        """``Kernel.attend_step`` for each of the n queries in turn (each (B or 1, 1) bounds,
+        the bandwidth per head or the query's own), or None where the kernel declines."""
+        ys = []
+        for i in range(queries.shape[2]):
+            b = beta if beta.dim() == 1 else beta[..., i:i + 1]
+            step = self.kernel.attend_step(memory, queries[:, :, i:i + 1], b, lo[:, i:i + 1],
+                                           hi[:, i:i + 1], base)
+            if step is None:
+                return None
+            ys.append(step[0])
+            memory = step[1]
+        return torch.cat(ys, dim=2), memory
+
     def _trim(self, memory: dict[str, Tensor], base: int,
               next_pos: int) -> tuple[dict[str, Tensor], int]:
-        """Short-term memory: drop the entries older than the next query's window (the query
-        at p sees s >= p - h + 1) once they are as many as the window itself. One entry more
-        is kept: the one that leaves the window at the next step (a kernel's running sums,
-        ``Kernel.attend_step``, subtract it then)."""
+        """Drop the entries no later step reads, in batches (the kept ones move to a fresh
+        buffer at the next append).
+
+        Short-term memory: the entries older than the next query's window (the query at p
+        sees s >= p - h + 1) once they are as many as the window itself; one entry more is
+        kept, the one that leaves the window at the next step (a kernel's running sums,
+        ``Kernel.attend_step``, subtract it then). A memory without a window whose kernel
+        keeps running sums (``run_hi``: the last entry they hold, per row): the entries up to
+        ``run_hi``, since a later query's interval either starts where the sums start (the
+        same document) or after ``run_hi`` (a new one); what stays is about the long-term
+        gap, so the cache no longer grows with the context."""
         if self.window is None:
-            return memory, base
+            if "run_hi" not in memory:
+                return memory, base
+            first = int(memory["run_hi"].min()) + 1
+            drop = first - base
+            if drop < max(64, memory["keys"].shape[2] - drop):
+                return memory, base
+            return {k: t[:, :, drop:] if k in ("keys", "values") else t
+                    for k, t in memory.items()}, first
         first = next_pos - self.window  # oldest entry the next step reads
         drop = first - base
         if drop < self.window:

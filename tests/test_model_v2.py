@@ -301,3 +301,33 @@ def test_fska_decodes_intervals_with_running_sums(monkeypatch):
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
     memory = cache.layers[0].context[0].memory  # the short-term memory keeps its sums
     assert memory["run_S"].dtype == torch.float64 and memory["keys"].shape[2] <= 2 * 6
+
+
+def test_fska_long_term_memory_keeps_only_the_entries_its_sums_do_not_hold():
+    """With running sums the long-term memory drops the entries they hold, so the cache stops
+    growing with the context; decoding still equals the full forward (documents, a prompt of
+    several tokens continued by several tokens at once), and a cache so trimmed refuses the
+    dense path instead of answering from missing entries."""
+    options = dict(kernel="fska", document_masking=True, **SMALL_LEVELS, block_size=512,
+                   kernel_kwargs=dict(num_features=6, flow_hidden=8, flow_layers=1,
+                                      chunk_size=4))
+    torch.manual_seed(0)
+    model = MosaicsForCausalLM(_config(**options)).eval()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, 61, (2, 260), generator=g)
+    ids[0, [40, 170]] = SEP
+    ids[1, 120] = SEP
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :20], use_cache=True)
+        steps, cache = [out.logits], out.cache
+        for t in range(20, 250):
+            out = model(ids[:, t:t + 1], cache=cache, use_cache=True)
+            steps.append(out.logits)
+            cache = out.cache
+        steps.append(model(ids[:, 250:], cache=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
+    long = cache.layers[0].context[1]
+    assert long.memory["keys"].shape[2] <= 2 * 64 + 10 and long.base > 100
+    with pytest.raises(RuntimeError, match="running sums"):
+        model(ids[:, 250:252], cache=cache, use_cache=True)  # grad enabled: the dense path

@@ -735,9 +735,9 @@ class FSKAKernel(Kernel):
         The memory keeps the running sums over the entries the last step saw, in float64:
         ``run_S`` = sum_j g(k_j) v_j^T (B, H, M', hv), ``run_z`` = sum_j g(k_j) (B, H, M'), and
         that interval's absolute bounds ``run_lo``, ``run_hi`` (B,). The step adds the entries
-        that entered (lo .. hi grows at hi) and subtracts those that left (a window's oldest,
-        or a finished document's), each entry once; a row whose entries are no longer stored,
-        or whose new interval starts past the old one, restarts from its interval. Then
+        that entered (lo .. hi grows at hi) and subtracts those that left (a window's oldest),
+        each entry once; a row whose new interval starts past the old one (a new document), or
+        whose entries to subtract are no longer stored, restarts from its interval. Then
         y = g(q) S / (g(q) . z + eps), as :meth:`attend`."""
         if (self.training or self.positive != "elu1" or beta.dim() != 1
                 or self.linear_intervals is False or torch.is_grad_enabled()):
@@ -745,7 +745,8 @@ class FSKAKernel(Kernel):
         self._check(query)
         keys, values = memory["keys"], memory["values"]
         B, H, S, hv = values.shape
-        lo = lo.reshape(-1).expand(B).clamp(min=base)
+        # entries before base may be held by the sums alone (a windowless memory drops them)
+        lo = lo.reshape(-1).expand(B)
         hi = hi.reshape(-1).expand(B).clamp(max=base + S - 1)
         hi = torch.maximum(hi, lo - 1)  # an empty interval: lo .. lo - 1
         f = self.feature_dim
@@ -754,7 +755,9 @@ class FSKAKernel(Kernel):
             if "run_S" in memory:
                 sums, zs = memory["run_S"], memory["run_z"]
                 cur_lo, cur_hi = memory["run_lo"], memory["run_hi"]
-                restart = (lo > cur_hi) | (cur_lo < base)
+                # a row restarts when its interval starts past the sums, or when the entries
+                # it should subtract are no longer stored
+                restart = (lo > cur_hi) | ((lo > cur_lo) & (cur_lo < base))
                 keep = (~restart).to(sums.dtype)
                 sums, zs = sums * keep.view(B, 1, 1, 1), zs * keep.view(B, 1, 1)
                 cur_lo = torch.where(restart, lo, cur_lo)
@@ -768,6 +771,9 @@ class FSKAKernel(Kernel):
                 if not bool(moves.any()):
                     continue
                 a, b = int(start[moves].min()), int(stop[moves].max())
+                if a < base:
+                    raise RuntimeError(f"fska attend_step: entry {a} is needed but the memory "
+                                       f"starts at {base}; rebuild the cache from the prompt")
                 j = torch.arange(a, b, device=query.device)
                 inside = (j >= start.view(B, 1)) & (j < stop.view(B, 1))  # (B, m)
                 fk = elu1_features(keys[:, :, a - base:b - base].float(), w1, w2).double()
