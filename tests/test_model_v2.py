@@ -331,3 +331,18 @@ def test_fska_long_term_memory_keeps_only_the_entries_its_sums_do_not_hold():
     assert long.memory["keys"].shape[2] <= 2 * 64 + 10 and long.base > 100
     with pytest.raises(RuntimeError, match="running sums"):
         model(ids[:, 250:252], cache=cache, use_cache=True)  # grad enabled: the dense path
+
+
+def test_fska_running_sums_follow_beam_search():
+    """Beam search reorders every tensor of the cache, the running sums and their bounds
+    included: generation with the cache equals generation without it, past the first trims
+    of the long-term memory."""
+    options = dict(kernel="fska", document_masking=True, **SMALL_LEVELS, block_size=512,
+                   kernel_kwargs=dict(num_features=6, flow_hidden=8, flow_layers=1,
+                                      chunk_size=4))
+    torch.manual_seed(0)
+    model = MosaicsForCausalLM(_config(**options)).eval()
+    ids = torch.randint(1, 61, (2, 90), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=40, num_beams=3, do_sample=False, pad_token_id=0,
+              attention_mask=torch.ones_like(ids))
+    assert torch.equal(model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw))
