@@ -148,6 +148,13 @@ class Kernel(nn.Module):
             None to take :meth:`attend` (the default), or the (B, H, 1, hv) retrieval and the
             memory to keep (extra entries in it must be batch-first tensors; the block slices
             only "keys" and "values" when it drops old entries).
+
+        A kernel that answers from running sums over the query's interval marks them with the
+        entries ``run_S`` and ``run_hi`` ((B,) absolute position of the last entry the sums
+        hold). The block then steps every later query through this method (several tokens per
+        call one by one), and a memory without a window drops the stored entries up to
+        ``run_hi``: the kernel must never read them again (their interval starts at the sums'
+        start, or after ``run_hi``).
         """
         return None
 
