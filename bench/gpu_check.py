@@ -293,14 +293,6 @@ def deepspeed_resume(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def write_report(out: Path, report: dict[str, Any]) -> None:
-    """``<out>/gpu_check.json``, written atomically."""
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "gpu_check.json.tmp"
-    tmp.write_text(json.dumps(report, indent=1, default=str))
-    tmp.replace(out / "gpu_check.json")
-
-
 # --- driver ------------------------------------------------------------------------------------
 
 SECTIONS = {"tests": run_tests, "throughput": throughput, "kernels": kernel_speed,
@@ -337,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                               "torch": torch.__version__,
                               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available()
                               else None}
+    from mosaics.evaluation.experiments import write_json
+
     failed = []
     out = Path(args.out)
     for name in args.sections:
@@ -351,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         report[f"{name}_seconds"] = time.perf_counter() - t0
         if name == "tests" and report[name].get("returncode", 0) not in (0, 5):  # None: timed out
             failed.append(name)
-        write_report(out, report)  # after every section: a run stopped later keeps it
+        write_json(out / "gpu_check.json", report)  # after every section, atomically
     print(f"\nreport: {out / 'gpu_check.json'}" + (f"; failed: {', '.join(failed)}"
                                                      if failed else ""))
     return 1 if failed else 0
