@@ -299,8 +299,8 @@ class ContextualMemory(nn.Module):
         if state is None:  # v_{n-1} waits for x_n
             memory = {k: t[:, :, :-1] for k, t in memory.items()}
             if memory["keys"].shape[2]:  # a kernel's running state, from the prompt's last query
-                primed = self.kernel.attend_step(memory, keys[:, :, -1:], beta if beta.dim() == 1
-                                                 else beta[..., -1:], lo[:, -1:], hi[:, -1:], 0)
+                primed = self._steps(memory, keys[:, :, -1:], beta if beta.dim() == 1
+                                     else beta[..., -1:], lo[:, -1:], hi[:, -1:], 0)
                 memory = memory if primed is None else primed[1]
         start = n + (0 if pos is None else pos.start)  # absolute position of the next token
         return (y, *self._trim(memory, base, start))
