@@ -382,6 +382,28 @@ def test_frequencies_redrawn_in_training_fixed_in_eval():
                            kernel.eval_noise)
 
 
+def test_eval_frequencies_follow_beta_and_the_flow():
+    """The decoding steps' frequencies are kept between calls; a new beta, new flow weights
+    (as load_state_dict writes them) or a tracked beta must not reuse them."""
+    kernel = built_kernel(2, 3, num_features=4).eval()
+    beta = torch.tensor([1.0, 4.0])
+    with torch.no_grad():
+        first = kernel._eval_frequencies(beta)
+        assert kernel._eval_frequencies(beta.clone()) is first
+        torch.testing.assert_close(first[0][1], 2.0 * kernel.eval_noise[1, :, :3])
+        other = kernel._eval_frequencies(torch.tensor([1.0, 9.0]))
+        torch.testing.assert_close(other[0][1], 3.0 * kernel.eval_noise[1, :, :3])
+        perturb(kernel.flow)
+        moved = kernel._eval_frequencies(beta)
+    assert not torch.equal(moved[0], first[0])
+    torch.testing.assert_close(moved[0], kernel.flow(kernel.eval_noise)[0][..., :3]
+                               * beta.sqrt().view(-1, 1, 1))
+    tracked = beta.clone().requires_grad_()
+    w1, _ = kernel._eval_frequencies(tracked)
+    w1.sum().backward()
+    assert tracked.grad is not None and bool((tracked.grad != 0).all())
+
+
 def test_regularization_is_kl_and_enters_the_loss(tiny_config):
     torch.manual_seed(10)
     model = MosaicsForCausalLM(fska_config(tiny_config, lambda_spec=0.5)).train()

@@ -557,6 +557,7 @@ class FSKAKernel(Kernel):
         self._kl: Tensor | None = None
         self._beta: Tensor | None = None  # bandwidth of the last forward (for prefill_state)
         self._eval_cache: tuple[tuple, Tensor] | None = None
+        self._freq_cache: tuple[Tensor, Tensor, tuple[Tensor, Tensor]] | None = None
         self.linear_intervals = linear_intervals
 
     # -- construction -------------------------------------------------------------------
@@ -752,20 +753,23 @@ class FSKAKernel(Kernel):
         f = self.feature_dim
         with torch.autocast(device_type=query.device.type, enabled=False):
             w1, w2 = self._eval_frequencies(beta)
-            if "run_S" in memory:
+            if "run_S" in memory:  # updated in place below, as the cache's buffers are
                 sums, zs = memory["run_S"], memory["run_z"]
                 cur_lo, cur_hi = memory["run_lo"], memory["run_hi"]
                 # a row restarts when its interval starts past the sums, or when the entries
                 # it should subtract are no longer stored
                 restart = (lo > cur_hi) | ((lo > cur_lo) & (cur_lo < base))
-                keep = (~restart).to(sums.dtype)
-                sums, zs = sums * keep.view(B, 1, 1, 1), zs * keep.view(B, 1, 1)
-                cur_lo = torch.where(restart, lo, cur_lo)
-                cur_hi = torch.where(restart, lo - 1, cur_hi)
+                if bool(restart.any()):
+                    keep = (~restart).to(sums.dtype)
+                    sums, zs = sums * keep.view(B, 1, 1, 1), zs * keep.view(B, 1, 1)
+                    cur_lo = torch.where(restart, lo, cur_lo)
+                    cur_hi = torch.where(restart, lo - 1, cur_hi)
             else:
                 sums = values.new_zeros(B, H, f, hv, dtype=torch.float64)
                 zs = values.new_zeros(B, H, f, dtype=torch.float64)
                 cur_lo, cur_hi = lo, lo - 1
+            # the entries that enter (weight +1) and leave (-1), and the query: one feature call
+            rows, signs, vals = [], [], []
             for start, stop, sign in ((cur_hi + 1, hi + 1, 1.0), (cur_lo, lo, -1.0)):
                 moves = stop > start  # the rows with entries to add (or subtract)
                 if not bool(moves.any()):
@@ -776,12 +780,19 @@ class FSKAKernel(Kernel):
                                        f"starts at {base}; rebuild the cache from the prompt")
                 j = torch.arange(a, b, device=query.device)
                 inside = (j >= start.view(B, 1)) & (j < stop.view(B, 1))  # (B, m)
-                fk = elu1_features(keys[:, :, a - base:b - base].float(), w1, w2).double()
-                fk = fk * inside.view(B, 1, -1, 1).to(fk.dtype)
-                sums = sums + sign * (fk.transpose(-1, -2) @ values[:, :, a - base:b - base]
-                                      .double())
-                zs = zs + sign * fk.sum(-2)
-            fq = elu1_features(query.float(), w1, w2).double()  # (B, H, 1, M')
+                rows.append(keys[:, :, a - base:b - base])
+                signs.append(inside.to(torch.float64) * sign)
+                vals.append(values[:, :, a - base:b - base])
+            x = torch.cat([*(r.to(query.dtype) for r in rows), query], 2) if rows else query
+            g = elu1_features(x.float(), w1, w2).double()  # (B, H, m + 1, M')
+            fq = g[:, :, -1:]
+            if rows:
+                fk = g[:, :, :-1] * torch.cat(signs, 1).view(B, 1, -1, 1)
+                v = torch.cat(vals, 2).double() if len(vals) > 1 else vals[0].double()
+                m = fk.shape[2]
+                sums.view(B * H, f, hv).baddbmm_(fk.transpose(-1, -2).reshape(B * H, f, m),
+                                                 v.reshape(B * H, m, hv))
+                zs.add_(fk.sum(-2))
             den = (fq @ zs.unsqueeze(-1) + self.eps).clamp_min(torch.finfo(torch.float32).tiny)
             y = (fq @ sums) / den
         memory = {**memory, "run_S": sums, "run_z": zs, "run_lo": lo, "run_hi": hi}
@@ -872,8 +883,19 @@ class FSKAKernel(Kernel):
         return state
 
     def _eval_frequencies(self, beta: Tensor) -> tuple[Tensor, Tensor]:
-        w = self._unit_frequencies_eval() * beta.float().sqrt().view(-1, 1, 1)
-        return w[..., :self.head_size], w[..., self.head_size:]
+        """(w1, w2) at the eval noise and bandwidth beta; outside autograd, kept while the
+        flow's output and beta stay the same (a decoding step asks for them per memory)."""
+        u = self._unit_frequencies_eval()
+        tracked = torch.is_grad_enabled() and beta.requires_grad
+        hit = self._freq_cache
+        if (not tracked and hit is not None and hit[0] is u and hit[1].shape == beta.shape
+                and hit[1].device == beta.device and torch.equal(hit[1], beta)):
+            return hit[2]
+        w = u * beta.float().sqrt().view(-1, 1, 1)
+        out = (w[..., :self.head_size], w[..., self.head_size:])
+        if not tracked and not u.requires_grad:
+            self._freq_cache = (u, beta.detach().clone(), out)
+        return out
 
     @staticmethod
     def _add_to_state(state: KernelState, f: Tensor, log_g: Tensor | None,
