@@ -83,6 +83,8 @@ def test_extrapolation_front_end_trains_scores_and_rescores(tmp_path, capsys):
         assert "val/exact_match" in run["train"]["history"][-1]
     curve = next(tmp_path.glob("jobs/sort-llama-*/runs/sort-llama/metrics.jsonl")).read_text()
     assert "val/exact_match" in curve and "elapsed_s" in curve
+    log = next(tmp_path.glob("logs/sort-llama-*.log")).read_text()
+    assert "step 1: val loss" in log and "step 1: val exact match" in log
     model_dir = records[1]["results"]["runs"][0]["model_dir"]
     assert main(["extrapolation", "--task", "sort", "--model", model_dir, "--preset", "cpu",
                  "--n-samples", "3", "--multipliers", "1", "2", "--device", "cpu",

@@ -295,6 +295,9 @@ class TaskExactMatch(Hook):
         self.pending = {"val/exact_match": score["exact_match"],
                         "val/token_accuracy": score["token_accuracy"],
                         "elapsed_s": time.time() - self.started}
+        if trainer.is_main:  # beside the trainer's "val loss" line in the job's log
+            print(f"{trainer.name} step {step}: val exact match {score['exact_match']:.3f}, "
+                  f"token accuracy {score['token_accuracy']:.3f}", flush=True)
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         if not self.pending:
