@@ -774,7 +774,7 @@ class FSKAKernel(Kernel):
         with torch.autocast(device_type=query.device.type, enabled=False):
             w1, w2 = self._eval_frequencies(beta)
             if "run_S" in memory:  # updated in place below, as the cache's buffers are
-                sums, zs = memory["run_S"], memory["run_z"]
+                sums, zs = memory["run_S"].contiguous(), memory["run_z"]
                 cur_lo, cur_hi = memory["run_lo"], memory["run_hi"]
                 # a row restarts when its interval starts past the sums, or when the entries
                 # it should subtract are no longer stored
