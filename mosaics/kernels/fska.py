@@ -98,8 +98,9 @@ def _chunked(fk: Tensor, v1: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
 def _prefix_states(g: Tensor, vc: Tensor) -> Tensor:
     """P_c = sum over chunks c' < c of g^T [v, 1]: (B, H, nc + 1, F, D+1) float64, P_0 = 0.
 
-    A loop of in-place adds over the chunks, not ``cumsum(2)`` + ``pad``: on (4, 4, 16, 192,
-    65) float64 (v2 FSKA at T 1024, one thread) 3.7 ms against 25.6 ms."""
+    A loop of in-place adds over the chunks, not ``cumsum(2)`` + ``pad``: PyTorch's CPU cumsum
+    over a non-last dimension is several times slower (docs/performance.md, "The v2 block with
+    FSKA in linear time"; ``bench/long_context.py --models v2-fska gpt2``)."""
     states = g.transpose(-1, -2) @ vc  # (B, H, nc, F, D+1)
     B, H, nc, F, D1 = states.shape
     out = states.new_empty(B, H, nc + 1, F, D1, dtype=torch.float64)
@@ -110,8 +111,8 @@ def _prefix_states(g: Tensor, vc: Tensor) -> Tensor:
 
 
 def _suffix_sums(x: Tensor) -> Tensor:
-    """sum over c' >= c of x[:, :, c'] along dim 2, in place (4.4 ms against 15.5 ms for
-    ``flip(2).cumsum(2).flip(2)`` on the shape of :func:`_prefix_states`)."""
+    """sum over c' >= c of x[:, :, c'] along dim 2, in place (faster than
+    ``flip(2).cumsum(2).flip(2)``, as in :func:`_prefix_states`)."""
     for c in range(x.shape[2] - 2, -1, -1):
         x[:, :, c].add_(x[:, :, c + 1])
     return x
@@ -166,7 +167,7 @@ class _IntervalLinear(torch.autograd.Function):
             acc[rows, :, a:z].add_(d64[rows, :, a:z] @ prefix[rows, :, c].transpose(-1, -2),
                                    alpha=sign)
         # the prefix's own memory takes its gradient: a fresh buffer of that size costs more
-        # in page faults than the whole loop (91 ms for 27 MB at T 1024 beside other jobs)
+        # in page faults than the whole loop (docs/performance.md)
         d_prefix = prefix.zero_()
         for sign, b, a, z, c in ctx.runs:
             rows = slice(None) if ctx.shared else slice(b, b + 1)
@@ -808,7 +809,7 @@ class FSKAKernel(Kernel):
             fq = g[:, :, -1:]
             if rows:
                 fk = g[:, :, :-1] * torch.cat(signs, 1).view(B, 1, -1, 1)
-                v = torch.cat(vals, 2).double() if len(vals) > 1 else vals[0].double()
+                v = torch.cat(vals, 2).double()
                 m = fk.shape[2]
                 sums.view(B * H, f, hv).baddbmm_(fk.transpose(-1, -2).reshape(B * H, f, m),
                                                  v.reshape(B * H, m, hv))
