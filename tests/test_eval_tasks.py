@@ -1,5 +1,9 @@
 """Sort and MQMTAR layouts, target masks, exact-match scoring; the training driver's schedule."""
 
+import math
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -159,3 +163,80 @@ def test_paper_code_preset_builds_the_paper_scripts_model():
     assert cfg.dropout == 0.05 and cfg.kernel == "epanechnikov"
     assert (proto.batch_size, proto.warmup_steps, proto.schedule_steps) == (256, 40000, 156250)
     assert (proto.min_lr, proto.keep) == (5e-5, "last")
+
+
+def _tiny_sort_protocol():
+    from mosaics.evaluation.experiments import EXTRAPOLATION_PRESETS, with_overrides
+
+    return with_overrides(EXTRAPOLATION_PRESETS["cpu"], n_embd=32, n_head=2, n_layer=1,
+                          pmem_size=24, min_len=8, max_len=12, steps=12, eval_every=3,
+                          batch_size=4, lr=1e-2, multipliers=(1, 2), n_samples=8, n_val=8)
+
+
+def test_an_interrupted_task_run_resumes_to_the_same_result(tmp_path, monkeypatch):
+    """A stop signal mid-run writes a checkpoint and raises RunPreempted; the same call again
+    resumes from it and ends with the uninterrupted run's weights, scores and history."""
+    import signal
+
+    from safetensors.torch import load_file
+
+    from mosaics.evaluation import experiments
+    from mosaics.training import RunPreempted
+
+    proto = _tiny_sort_protocol()
+
+    def run(out):
+        return experiments.run_extrapolation("sort", "mosaics", "gaussian", proto, seed=0,
+                                             out_dir=out, save_model=True, progress=False,
+                                             resume=True)["runs"][0]
+
+    whole = run(tmp_path / "whole")
+    original = experiments.TaskExactMatch.on_evaluate
+
+    def signal_at_step_6(self, trainer, step, val_loss):
+        original(self, trainer, step, val_loss)
+        if step == 6:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(experiments.TaskExactMatch, "on_evaluate", signal_at_step_6)
+    with pytest.raises(RunPreempted, match="stopped by SIGTERM at step 7"):
+        run(tmp_path / "split")  # the processes agree on a stop at the next step
+    checkpoints = list((tmp_path / "split").glob("runs/*/checkpoints/step_*"))
+    assert [p.name for p in checkpoints] == ["step_0000007"]  # the newest only
+    monkeypatch.setattr(experiments.TaskExactMatch, "on_evaluate", original)
+    split = run(tmp_path / "split")
+
+    assert split["train"]["resumed_step"] == 7 and whole["train"]["resumed_step"] is None
+    assert split["exact_match"] == whole["exact_match"]
+    assert split["token_accuracy"] == whole["token_accuracy"]
+    for key in ("best_val_loss", "best_step", "steps"):
+        assert split["train"][key] == whole["train"][key]
+    def evaluations(run):
+        return [(row["step"], row["val/loss"], row["val/exact_match"], row["lr"])
+                for row in run["train"]["history"] if "val/loss" in row]
+
+    assert evaluations(split) == evaluations(whole)
+    assert [step for step, *_ in evaluations(whole)] == [3, 6, 9, 12]
+    # the stop logs its partial window (step 7), so the log rows differ there, not the run
+    assert [row["step"] for row in split["train"]["history"]] == [3, 6, 7, 9, 12]
+    a, b = (load_file(Path(r["model_dir"]) / "model.safetensors") for r in (whole, split))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not list((tmp_path / "split").glob("runs/*/checkpoints"))  # removed when finished
+
+
+def test_keep_best_state_travels_with_a_checkpoint(tmp_path):
+    from mosaics.training import KeepBest
+
+    best = KeepBest()
+    best.save_state(tmp_path)  # nothing kept yet: nothing written
+    assert not (tmp_path / KeepBest.FILE).exists()
+    best.loss, best.step = 0.125, 40
+    best.state = {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(3)}
+    best.save_state(tmp_path)
+    again = KeepBest()
+    again.load_state(tmp_path)
+    assert (again.loss, again.step) == (0.125, 40)
+    assert all(torch.equal(again.state[k], best.state[k]) for k in best.state)
+    (tmp_path / KeepBest.FILE).unlink()
+    again.load_state(tmp_path)  # a checkpoint written before any evaluation
+    assert (again.loss, again.step, again.state) == (math.inf, None, None)

@@ -4,6 +4,7 @@ and submitit's local executor) in the integration tier."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -120,7 +121,7 @@ def test_existing_results_are_skipped(tmp_path):
 def test_threads_per_job_split_or_given(tmp_path, monkeypatch):
     assert sweep.threads_per_job(2, cores=8) == 4 and sweep.threads_per_job(16, cores=8) == 1
     seen = []
-    monkeypatch.setattr(sweep, "_spawn", lambda job, out, device, threads, save_model:
+    monkeypatch.setattr(sweep, "_spawn", lambda job, out, device, threads, save_model, children:
                         (seen.append(threads), (job, 1, 0.0))[1])
     job = sweep.make_job("sort", "gaussian", preset="cpu")
     lines = []
@@ -207,6 +208,46 @@ def test_tiny_sweep_end_to_end_with_two_processes(tmp_path):
     assert any("val/exact_match" in r for r in rows)
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert again.returncode == 0 and "2 already done, 0 to run" in again.stdout
+
+
+@pytest.mark.integration
+def test_a_stopped_sweep_checkpoints_its_job_and_the_next_one_resumes_it(tmp_path):
+    """SIGTERM to the runner reaches the running job (checkpoint, exit 75) and no other job
+    starts; the same command again resumes the job from its checkpoint and runs the other."""
+    import signal
+    import time
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    tiny = [a for pair in zip(TINY_SORT[::2], TINY_SORT[1::2], strict=True)
+            if not pair[1].startswith(("steps=", "eval_every=")) for a in pair]
+    cmd = [sys.executable, "eval/sweep.py", "--task", "sort", "--model", "mosaics/gaussian",
+           "--seed", "0", "1", "--preset", "cpu", *tiny, "--set", "steps=200",
+           "--set", "eval_every=5", "--set", "batch_size=4", "--set", "min_len=8",
+           "--set", "max_len=12", "--jobs", "1", "--threads", "1", "--device", "cpu",
+           "--out", str(tmp_path)]
+    runner = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 180
+    while not list(tmp_path.glob("jobs/*/runs/*/checkpoints/step_*")):
+        assert runner.poll() is None and time.time() < deadline, "no checkpoint was written"
+        time.sleep(0.05)
+    runner.send_signal(signal.SIGTERM)
+    out, _ = runner.communicate(timeout=120)
+    assert runner.returncode == 75, out[-3000:]
+    assert out.count("STOPPED") == 2 and "not started" in out, out[-3000:]
+    assert not list((tmp_path / "results").glob("*.json"))
+    first = next(p.parent.parent.parent.parent.name
+                 for p in tmp_path.glob("jobs/*/runs/*/checkpoints/step_*"))
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "0 already done, 2 to run" in again.stdout
+    record = json.loads((tmp_path / "results" / f"{first}.json").read_text())
+    train = record["results"]["runs"][0]["train"]
+    assert train["steps"] == 200 and 0 < train["resumed_step"] < 200
+    assert record["seconds"] >= train["resumed_seconds"] > 0
+    log = (tmp_path / "logs" / f"{first}.log").read_text()
+    assert log.count("--- attempt started") == 2 and "resumed from" in log
+    assert not list(tmp_path.glob("jobs/*/runs/*/checkpoints"))
 
 
 def test_paper_rows_and_cells():
@@ -344,3 +385,23 @@ def test_minutes_per_device_when_a_model_ran_on_several():
     assert sweep._minutes("mosaics/gaussian", seconds) == "50.0 cpu / 6.0 cuda"
     assert sweep._minutes("llama", seconds) == "4.0"
     assert sweep._minutes("mosaics/relumax", seconds) == "-"
+
+
+def test_a_job_in_use_by_another_process_is_refused(tmp_path):
+    """Two sweeps over one folder: the second process on a job stops at the job's lock."""
+    from mosaics.errors import ConfigError
+    from mosaics.training.rundir import LOCK_NAME
+
+    job = sweep.make_job("sort", "gaussian", preset="cpu")
+    work = tmp_path / "jobs" / job.name
+    work.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (work / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(),
+                                                  "pid": holder.pid}))
+        with pytest.raises(ConfigError, match=f"PID {holder.pid}"):
+            sweep.run_job(job, tmp_path, "cpu")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not sweep.result_path(tmp_path, job).exists()

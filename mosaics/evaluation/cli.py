@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..training.signals import EXIT_PREEMPTED
+
 # --- argument types and checks ---------------------------------------------------------------
 
 
@@ -152,11 +154,16 @@ def run_engine(p: argparse.ArgumentParser, args: argparse.Namespace, jobs: list,
         p.error(str(err))
     print(sweep.summarize(out), end="")
     print(f"summary: {out / 'summary.md'}")
+    if done["stopped"]:
+        print(f"{len(done['stopped'])} job(s) stopped: "
+              + ", ".join(j.name for j in done["stopped"])
+              + "; run the same command again to resume them from their checkpoints",
+              file=sys.stderr)
     if done["failed"]:
         print(f"{len(done['failed'])} job(s) failed: "
               + ", ".join(j.name for j in done["failed"]), file=sys.stderr)
         return 1
-    return 0
+    return EXIT_PREEMPTED if done["stopped"] else 0
 
 
 def _merge(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:

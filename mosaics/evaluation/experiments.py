@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -22,7 +23,9 @@ from torch import Tensor
 
 from ..errors import DataError
 from ..training.build import causal_lm
+from ..training.checkpoint import checkpoint_root
 from ..training.config import TrainConfig
+from ..training.signals import RunPreempted
 from ..training.trainer import (
     Hook,
     KeepBest,
@@ -169,38 +172,59 @@ def fit_task_model(model: torch.nn.Module, batches: Any, val_batches: list[dict[
                    run_dir: Path | None = None, progress: bool = True,
                    desc: str = "train", hooks: Sequence[Hook] = (),
                    warmup_steps: int | None = None, schedule_steps: int | None = None,
-                   min_lr: float | None = None, keep: str = "best") -> TrainResult:
+                   min_lr: float | None = None, keep: str = "best",
+                   checkpoint_every: int = 0) -> TrainResult:
     """Train ``model`` in place with the shared :class:`Trainer` (AdamW, linear warm-up over
     ``warmup_frac`` of the steps or ``warmup_steps``, cosine to ``min_lr`` (lr / 10) at the
     last step or at ``schedule_steps``, clipping at 1); ``keep="best"`` restores the weights
     of the best validation loss, ``"last"`` keeps the last step's. Learning curves go to
     ``run_dir/metrics.jsonl`` when given; ``hooks`` run before the one that keeps the best
-    weights."""
+    weights.
+
+    ``checkpoint_every > 0`` (needs ``run_dir``): a checkpoint every that many steps (the
+    newest kept, with the best weights so far) that the same call resumes exactly, and
+    SIGTERM / SIGUSR1 end the run after the current step with a checkpoint, raising
+    :class:`~mosaics.training.signals.RunPreempted` (exit status 75 if uncaught)."""
     if keep not in ("best", "last"):
         raise ValueError(f"keep must be 'best' or 'last', got {keep!r}")
+    if checkpoint_every and run_dir is None:
+        raise ValueError("checkpoint_every > 0 needs a run_dir to write the checkpoints to")
     cfg = TrainConfig(run_dir=str(run_dir) if run_dir is not None else "", seed=seed,
                       max_steps=total_steps, lr=lr, min_lr=0.1 * lr if min_lr is None else min_lr,
                       warmup_steps=(max(1, round(warmup_frac * total_steps))
                                     if warmup_steps is None else warmup_steps),
                       schedule_steps=schedule_steps,
                       weight_decay=weight_decay, grad_clip=1.0, eval_interval=eval_every,
-                      log_interval=eval_every, checkpoint_interval=0, progress_bar=progress,
-                      tensorboard=False, time_budget_s=time_budget_s)
+                      log_interval=eval_every, checkpoint_interval=checkpoint_every,
+                      keep_checkpoints=1, progress_bar=progress, tensorboard=False,
+                      time_budget_s=time_budget_s)
     torch.manual_seed(seed)
     keepers = [KeepBest()] if keep == "best" else []
     trainer = Trainer(cfg, model.to(device), batches, val_batches, hooks=[*hooks, *keepers],
                       accelerator=make_accelerator(cfg, device), name=desc)
     result = trainer.fit()
     trainer.close()
+    if result.stop_signal is not None:
+        raise RunPreempted(f"{desc}: stopped by {result.stop_signal} at step {result.steps}, "
+                           f"checkpoint {result.checkpoint}; run the same command again to "
+                           "resume it")
     model.eval()
     return result
+
+
+def drop_checkpoints(run_dir: Path | None) -> None:
+    """Remove a finished task run's checkpoints (its result and saved model are written)."""
+    if run_dir is not None:
+        shutil.rmtree(checkpoint_root(run_dir), ignore_errors=True)
 
 
 def train_summary(result: TrainResult) -> dict[str, Any]:
     """The JSON-ready part of a task run's :class:`TrainResult`."""
     return {"best_val_loss": result.best_val_loss, "best_step": result.best_step,
             "steps": result.steps, "seconds": result.wall_seconds,
-            "stopped_early": result.stopped_early, "history": result.history}
+            "stopped_early": result.stopped_early, "resumed_step": result.resumed_step,
+            "resumed_seconds": result.resumed_seconds,
+            "history": result.history}
 
 
 def _check_vocab(model: torch.nn.Module, expected: int, path: str | Path, task: str) -> None:
@@ -221,10 +245,13 @@ def _slug(label: str) -> str:
 def run_regbench(arch: str, kernel: str | None, size: int | None, proto: RegBenchProtocol,
                  seed: int = 0, kernel_kwargs: dict | None = None, device: str = "cpu",
                  out_dir: str | Path | None = None, save_model: bool = False,
-                 model_dir: str | None = None, progress: bool = True) -> dict[str, Any]:
+                 model_dir: str | None = None, progress: bool = True,
+                 resume: bool = False) -> dict[str, Any]:
     """Train one model (``arch``, ``kernel``) on ``size`` training automata, or load the saved
     ``model_dir``, and score it on the test automata; returns the JSON-ready results
-    ``{protocol, seed, data_fingerprint, test_fingerprint, baselines, runs: [one run]}``."""
+    ``{protocol, seed, data_fingerprint, test_fingerprint, baselines, runs: [one run]}``.
+    ``resume`` (with ``out_dir``): checkpoint at every evaluation and continue an interrupted
+    run of the same call where its last checkpoint left it (:func:`fit_task_model`)."""
     data = regbench.make_splits(0 if model_dir else size, proto.n_val, proto.n_test, seed)
     results: dict[str, Any] = {"protocol": asdict(proto), "seed": seed,
                                "data_fingerprint": data.fingerprint(),
@@ -256,7 +283,8 @@ def run_regbench(arch: str, kernel: str | None, size: int | None, proto: RegBenc
     run_dir = None if out_dir is None else Path(out_dir) / "runs" / f"{_slug(label)}-n{size}"
     info = fit_task_model(model, batches, val_batches, total, proto.lr, proto.weight_decay,
                           proto.warmup_frac, eval_every, seed, device, proto.time_budget_s,
-                          run_dir, progress, f"{label} n={size}")
+                          run_dir, progress, f"{label} n={size}",
+                          checkpoint_every=eval_every if resume and run_dir else 0)
     t0 = time.time()
     score = regbench.evaluate_model(model, data.test, proto.batch_size, device, progress)
     run = {"label": label, "arch": arch, "kernel": kernel, "size": size,
@@ -267,6 +295,7 @@ def run_regbench(arch: str, kernel: str | None, size: int | None, proto: RegBenc
         model.save_pretrained(path)
         run["model_dir"] = str(path)
     results["runs"].append(run)
+    drop_checkpoints(run_dir)
     return results
 
 
@@ -283,7 +312,6 @@ class TaskExactMatch(Hook):
     def __init__(self, task: str, samples: list[tasks.Sample], batch_size: int,
                  device: str) -> None:
         self.task, self.samples, self.batch_size, self.device = task, samples, batch_size, device
-        self.started = time.time()
         self.pending: dict[str, float] = {}
 
     def on_evaluate(self, trainer: Trainer, step: int, val_loss: float) -> None:
@@ -294,7 +322,7 @@ class TaskExactMatch(Hook):
         model.train(was_training)
         self.pending = {"val/exact_match": score["exact_match"],
                         "val/token_accuracy": score["token_accuracy"],
-                        "elapsed_s": time.time() - self.started}
+                        "elapsed_s": trainer.elapsed_seconds}
         if trainer.is_main:  # beside the trainer's "val loss" line in the job's log
             print(f"{trainer.name} step {step}: val exact match {score['exact_match']:.3f}, "
                   f"token accuracy {score['token_accuracy']:.3f}", flush=True)
@@ -343,10 +371,13 @@ def _run_name(task: str, arch: str, kernel: str | None) -> str:
 def run_extrapolation(task: str, arch: str, kernel: str | None, proto: ExtrapolationProtocol,
                       seed: int = 0, kernel_kwargs: dict | None = None, device: str = "cpu",
                       out_dir: str | Path | None = None, save_model: bool = False,
-                      model_dir: str | None = None, progress: bool = True) -> dict[str, Any]:
+                      model_dir: str | None = None, progress: bool = True,
+                      resume: bool = False) -> dict[str, Any]:
     """Train one model (``arch``, ``kernel``) on lengths U{min..max_len}, or load the saved
     ``model_dir``; exact match and token accuracy per test length. Returns the JSON-ready
-    results ``{task, protocol, seed, lengths, runs: [one run]}``."""
+    results ``{task, protocol, seed, lengths, runs: [one run]}``. ``resume`` (with
+    ``out_dir``): checkpoint at every evaluation and continue an interrupted run of the same
+    call where its last checkpoint left it (:func:`fit_task_model`)."""
     from tqdm.auto import tqdm
 
     if task not in tasks.TASKS:
@@ -391,7 +422,8 @@ def run_extrapolation(task: str, arch: str, kernel: str | None, proto: Extrapola
                           proto.warmup_frac, proto.eval_every, seed, device, proto.time_budget_s,
                           run_dir, progress, f"{label} {task}", hooks=[watch],
                           warmup_steps=proto.warmup_steps, schedule_steps=proto.schedule_steps,
-                          min_lr=proto.min_lr, keep=proto.keep)
+                          min_lr=proto.min_lr, keep=proto.keep,
+                          checkpoint_every=proto.eval_every if resume and run_dir else 0)
     run = {"label": label, "arch": arch, "kernel": kernel, "params": count_parameters(model),
            **evaluate(model, label), "train": train_summary(info)}
     if save_model and out_dir is not None:
@@ -399,6 +431,7 @@ def run_extrapolation(task: str, arch: str, kernel: str | None, proto: Extrapola
         model.save_pretrained(path)
         run["model_dir"] = str(path)
     results["runs"].append(run)
+    drop_checkpoints(run_dir)
     return results
 
 

@@ -14,12 +14,15 @@ Learning curves: ``<out>/jobs/<name>/runs/<run>/metrics.jsonl``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections import defaultdict
@@ -31,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from ..training.rundir import RunLock
+from ..training.signals import EXIT_PREEMPTED
 from . import paper
 from .models import MOSAICS_ARCHS, is_mosaics
 
@@ -287,22 +292,36 @@ def _job_record(job: Job) -> dict[str, Any]:
 
 def run_job(job: Job, out: Path, device: str, save_model: bool = False) -> dict[str, Any]:
     """Run one job in this process and write its result record atomically (the child side):
-    ``{"job": ..., "device": ..., "seconds": wall time, "results": ...}``."""
+    ``{"job": ..., "device": ..., "seconds": wall time, "results": ...}``. Training
+    checkpoints at every evaluation under ``<out>/jobs/<name>/runs``: a job stopped by a signal
+    (exit status 75) or killed resumes from its last checkpoint when the sweep runs again, and
+    ``seconds`` counts every attempt; the checkpoints are removed once the result is written.
+    ``<out>/jobs/<name>/.lock`` refuses a second process on the same job (another sweep over
+    the same folder) while the first lives."""
     from . import experiments
 
     proto = experiments.with_overrides(presets(job.task)[job.preset], **_typed(job.overrides))
     work = out / "jobs" / job.name
+    work.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(work)  # two sweeps over one folder must not train one job twice
+    note = lock.acquire()
+    if note:
+        print(note, flush=True)
     started = time.time()
-    if job.task == "regbench":
-        results = experiments.run_regbench(job.arch, job.kernel, job.size, proto, job.seed,
-                                           job.kernel_kwargs, device, work, save_model,
-                                           job.model_dir, progress=False)
-    else:
-        results = experiments.run_extrapolation(job.task, job.arch, job.kernel, proto, job.seed,
-                                                job.kernel_kwargs, device, work, save_model,
-                                                job.model_dir, progress=False)
-    record = {"job": _job_record(job), "device": device, "seconds": time.time() - started,
-              "results": results}
+    try:
+        if job.task == "regbench":
+            results = experiments.run_regbench(job.arch, job.kernel, job.size, proto, job.seed,
+                                               job.kernel_kwargs, device, work, save_model,
+                                               job.model_dir, progress=False, resume=True)
+        else:
+            results = experiments.run_extrapolation(
+                job.task, job.arch, job.kernel, proto, job.seed, job.kernel_kwargs, device,
+                work, save_model, job.model_dir, progress=False, resume=True)
+    finally:
+        lock.release()
+    earlier = sum(run.get("train", {}).get("resumed_seconds", 0.0) for run in results["runs"])
+    record = {"job": _job_record(job), "device": device,
+              "seconds": time.time() - started + earlier, "results": results}
     experiments.write_json(result_path(out, job), record)
     return record
 
@@ -326,18 +345,64 @@ def _child_env(threads: int) -> dict[str, str]:
             "HF_DATASETS_OFFLINE": "1"}
 
 
-def _spawn(job: Job, out: Path, device: str, threads: int,
-           save_model: bool = False) -> tuple[Job, int, float]:
-    """Run a job as a child process, its output in ``<out>/logs/<name>.log``; returns (job,
-    exit status, wall seconds). The local runner calls it in a thread, a scheduler's worker
-    (:mod:`mosaics.evaluation.cluster`) in its own process."""
+class _Children:
+    """The local runner's live job processes. A stop signal to the runner goes on to each
+    (it finishes its step, writes a checkpoint and exits 75) and no further job starts."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.live: set[subprocess.Popen] = set()
+        self.stopped_by: str | None = None
+
+    def forward(self, signum: int, frame: Any) -> None:
+        self.stopped_by = signal.Signals(signum).name
+        for child in list(self.live):
+            child.send_signal(signum)
+
+    @contextlib.contextmanager
+    def forwarding(self) -> Iterator[_Children]:
+        """Install :meth:`forward` for :attr:`SIGNALS` (main thread only) while in use."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {sig: signal.signal(sig, self.forward) for sig in self.SIGNALS}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+NOT_STARTED = "not started: the sweep was stopped"
+
+
+def _spawn(job: Job, out: Path, device: str, threads: int, save_model: bool = False,
+           children: _Children | None = None) -> tuple[Job, int, float]:
+    """Run a job as a child process, its output appended to ``<out>/logs/<name>.log`` (one
+    header line per attempt); returns (job, exit status, wall seconds). The local runner calls
+    it in a thread (``children``: its live processes; a stopped runner starts none, status
+    75), a scheduler's worker (:mod:`mosaics.evaluation.cluster`) in its own process."""
     out = Path(out)
+    if children is not None and children.stopped_by:
+        return job, EXIT_PREEMPTED, 0.0
     log = out / "logs" / f"{job.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    with open(log, "w") as handle:
-        status = subprocess.call(_child_command(job, out, device, save_model), stdout=handle,
+    with open(log, "a") as handle:
+        handle.write(f"--- attempt started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        handle.flush()
+        child = subprocess.Popen(_child_command(job, out, device, save_model), stdout=handle,
                                  stderr=subprocess.STDOUT, env=_child_env(threads))
+        if children is not None:
+            children.live.add(child)
+            if children.stopped_by:  # the signal came while it started
+                child.send_signal(signal.SIGTERM)
+        try:
+            status = child.wait()
+        finally:
+            if children is not None:
+                children.live.discard(child)
     return job, status, time.time() - started
 
 
@@ -360,11 +425,16 @@ Outcome = tuple[Job, int, float, str]  # job, exit status, wall seconds, reason 
 
 def _run_local(todo: Sequence[Job], out: Path, device: str, parallel: int, threads: int,
                save_model: bool) -> Iterator[Outcome]:
-    """The local runner: ``parallel`` child processes at a time, outcomes as they finish."""
-    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
-        futures = [pool.submit(_spawn, job, out, device, threads, save_model) for job in todo]
+    """The local runner: ``parallel`` child processes at a time, outcomes as they finish;
+    SIGTERM or SIGUSR1 to it stops every running job at a checkpoint and starts no other."""
+    children = _Children()
+    with children.forwarding(), ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        futures = [pool.submit(_spawn, job, out, device, threads, save_model, children)
+                   for job in todo]
         for future in as_completed(futures):
-            yield (*future.result(), "")
+            job, status, seconds = future.result()
+            yield job, status, seconds, (NOT_STARTED if status == EXIT_PREEMPTED
+                                         and seconds == 0.0 else "")
 
 
 EXECUTORS = ("local", "slurm", "submitit-local")
@@ -374,7 +444,9 @@ def run_sweep(jobs: Sequence[Job], out: str | Path, parallel: int = 1, device: s
               report: Callable[[str], None] = print, threads: int | None = None,
               executor: str = "local", resources: Any = None,
               save_model: bool = False) -> dict[str, list[Job]]:
-    """Run the jobs without a result file; returns the skipped, finished and failed jobs.
+    """Run the jobs without a result file; returns the skipped, finished, failed and stopped
+    jobs (stopped: exit status 75, a checkpoint was written, or never started because the
+    sweep was stopped; the next sweep resumes them).
 
     ``executor="local"``: ``parallel`` processes at a time on this machine with ``threads``
     CPU threads each (default: the cores split between them). ``"slurm"``: one SLURM job array
@@ -384,7 +456,7 @@ def run_sweep(jobs: Sequence[Job], out: str | Path, parallel: int = 1, device: s
     if executor not in EXECUTORS:
         raise ValueError(f"unknown executor {executor!r}; choose from {', '.join(EXECUTORS)}")
     out = Path(out)
-    done: dict[str, list[Job]] = {"skipped": [], "finished": [], "failed": []}
+    done: dict[str, list[Job]] = {"skipped": [], "finished": [], "failed": [], "stopped": []}
     todo = []
     for job in jobs:
         (done["skipped"] if result_path(out, job).exists() else todo).append(job)
@@ -406,6 +478,11 @@ def run_sweep(jobs: Sequence[Job], out: str | Path, parallel: int = 1, device: s
             failure_path(out, job).unlink(missing_ok=True)
             done["finished"].append(job)
             report(f"[{i}/{len(todo)}] done   {job.name} ({seconds:.0f} s)")
+        elif status == EXIT_PREEMPTED:
+            done["stopped"].append(job)
+            report(f"[{i}/{len(todo)}] STOPPED {job.name} ("
+                   + (reason or f"exit {status}: checkpoint written after {seconds:.0f} s")
+                   + "; the next sweep resumes it)")
         else:
             _record_failure(out, job, status, seconds, reason)
             done["failed"].append(job)
@@ -641,6 +718,7 @@ def _child_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
 
+    from ..training.signals import RunPreempted
     from ..training.trainer import flush_denormals_early
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -649,6 +727,9 @@ def _child_main(argv: list[str] | None = None) -> int:
     job = Job(**json.loads(args.job))
     try:
         run_job(job, Path(args.out), args.device, args.save_model)
+    except RunPreempted as stop:
+        print(stop, flush=True)
+        return EXIT_PREEMPTED
     except Exception:  # noqa: BLE001  (the whole traceback goes to the job's log)
         traceback.print_exc()
         return 1

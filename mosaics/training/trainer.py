@@ -95,6 +95,8 @@ class TrainResult:
     stop_signal: str | None = None  # the signal that stopped the run (checkpoint written)
     checkpoint: Path | None = None  # the run's last checkpoint, if it wrote one
     skipped_steps: int = 0  # steps skipped for a non-finite loss or gradient norm
+    resumed_step: int | None = None  # the checkpoint's step this attempt resumed from
+    resumed_seconds: float = 0.0  # wall time of the attempts before it (in wall_seconds)
 
 
 class TrainingDiverged(ConfigError, FloatingPointError):
@@ -102,7 +104,11 @@ class TrainingDiverged(ConfigError, FloatingPointError):
 
 
 class Hook:
-    """Callbacks; override what you need. ``trainer.stop = True`` ends training after the step."""
+    """Callbacks; override what you need. ``trainer.stop = True`` ends training after the step.
+
+    A hook with state that a resumed run needs writes it in :meth:`save_state` (main process,
+    into the checkpoint's folder before its manifest, so it is verified with the rest) and
+    reads it back in :meth:`load_state` (every process, the checkpoint being resumed)."""
 
     def on_evaluate(self, trainer: Trainer, step: int, val_loss: float) -> None: ...
 
@@ -110,11 +116,18 @@ class Hook:
 
     def on_train_end(self, trainer: Trainer, result: TrainResult) -> None: ...
 
+    def save_state(self, folder: Path) -> None: ...
+
+    def load_state(self, folder: Path) -> None: ...
+
 
 class KeepBest(Hook):
     """Keep the weights of the lowest validation loss (in CPU memory) and restore them at the
-    end; records ``best_val_loss`` / ``best_step`` in the result. Not under DeepSpeed ZeRO-3
-    (the weights are partitioned there)."""
+    end; records ``best_val_loss`` / ``best_step`` in the result. Checkpoints carry them
+    (``best_weights.safetensors``), so a resumed run restores the best of the whole run. Not
+    under DeepSpeed ZeRO-3 (the weights are partitioned there)."""
+
+    FILE = "best_weights.safetensors"
 
     def __init__(self) -> None:
         self.loss, self.step, self.state = math.inf, None, None
@@ -130,6 +143,25 @@ class KeepBest(Hook):
         if self.state is not None:
             trainer.unwrapped_model.load_state_dict(self.state)
             result.best_val_loss, result.best_step = self.loss, self.step
+
+    def save_state(self, folder: Path) -> None:
+        if self.state is not None:
+            from safetensors.torch import save_file
+
+            save_file(self.state, str(folder / self.FILE),
+                      metadata={"val_loss": repr(self.loss), "step": str(self.step)})
+
+    def load_state(self, folder: Path) -> None:
+        path = folder / self.FILE
+        if not path.exists():
+            self.loss, self.step, self.state = math.inf, None, None
+            return
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata()
+            self.state = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+        self.loss, self.step = float(meta["val_loss"]), int(meta["step"])
 
 
 def resolve_precision(setting: str) -> str:
@@ -264,6 +296,9 @@ class Trainer:
                                    else [])
         self._saved_step: int | None = None
         self._rollback_from: int | None = None
+        self.seconds_before = 0.0  # wall time of the earlier attempts of a resumed run
+        self.resumed_step: int | None = None
+        self._fit_started: float | None = None
 
     @property
     def checkpointing(self) -> bool:
@@ -279,6 +314,12 @@ class Trainer:
     @property
     def accumulation(self) -> int:
         return self.accelerator.gradient_accumulation_steps
+
+    @property
+    def elapsed_seconds(self) -> float:
+        """Wall time of the run so far, the attempts before a resume included."""
+        now = 0.0 if self._fit_started is None else time.time() - self._fit_started
+        return self.seconds_before + now
 
     def setup(self) -> None:
         """Optimizer and schedule, the checkpoint to resume from, accelerate/DeepSpeed wrapping."""
@@ -359,6 +400,11 @@ class Trainer:
         self.step, self.tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
         self.data_offset = int(trainer_state.get("data_offset", 0))
         self._saved_step = self.step
+        self.history = list(trainer_state.get("history", []))
+        self.seconds_before = float(trainer_state.get("wall_seconds", 0.0))
+        self.resumed_step = self.step
+        for hook in self.hooks:
+            hook.load_state(path)
         # the optimizer's lr came from the checkpoint; follow this run's schedule from here
         # (they differ when schedule_steps changed)
         sched = self.scheduler
@@ -505,7 +551,7 @@ class Trainer:
         if self.optimizer is None:
             self.setup()
         cfg, acc = self.cfg, self.accelerator
-        started = time.time()
+        started = self._fit_started = time.time()
         if self.step >= cfg.max_steps and self.is_main:
             print(f"{self.name}: already at step {self.step} of max_steps={cfg.max_steps}; "
                   "raise max_steps to train further", file=sys.stderr)
@@ -562,9 +608,11 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.close()
         result = TrainResult(run_dir=self.run_dir, steps=self.step, train_loss=train_loss,
-                             val_loss=val_loss, wall_seconds=time.time() - started,
+                             val_loss=val_loss, wall_seconds=self.elapsed_seconds,
                              stopped_early=stopped_early or self.stop_requested,
-                             history=self.history, skipped_steps=self.skipped_steps)
+                             history=self.history, skipped_steps=self.skipped_steps,
+                             resumed_step=self.resumed_step,
+                             resumed_seconds=self.seconds_before)
         if self.stop_requested:
             result.stop_signal = self.signals.received or "a stop signal on another process"
         if self._saved_step is not None and self.run_dir is not None:
@@ -685,10 +733,13 @@ class Trainer:
                          "world_size": acc.num_processes, "accumulation": self.accumulation,
                          "deepspeed": self.is_deepspeed, "config": self.cfg.to_dict(),
                          "model_config": ckpt.model_config_dict(model.config),
-                         "schedule_steps": self.schedule_steps, "data_offset": self.data_offset}
+                         "schedule_steps": self.schedule_steps, "data_offset": self.data_offset,
+                         "history": self.history, "wall_seconds": self.elapsed_seconds}
                 ckpt.save_main_state(tmp, None if self.is_deepspeed else model,
                                      None if self.is_deepspeed else self.optimizer,
                                      self.scheduler, state)
+                for hook in self.hooks:
+                    hook.save_state(tmp)
 
         attempt(write_states)
         attempt(lambda: ckpt.finalize_save(run_dir, step, keep=self.cfg.keep_checkpoints)
