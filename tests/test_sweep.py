@@ -250,6 +250,43 @@ def test_a_stopped_sweep_checkpoints_its_job_and_the_next_one_resumes_it(tmp_pat
     assert not list(tmp_path.glob("jobs/*/runs/*/checkpoints"))
 
 
+@pytest.mark.integration
+def test_a_preempted_scheduler_task_is_requeued_and_its_job_resumes(tmp_path):
+    """submitit's preemption signal to an array task: the job's process checkpoints, the task
+    is requeued, and the requeued task resumes the job from that checkpoint."""
+    submitit = pytest.importorskip("submitit")
+    import signal
+    import time
+
+    from mosaics.evaluation.cluster import ResumableTask
+
+    job = sweep.make_job("sort", "gaussian", preset="cpu", overrides={
+        "steps": 200, "eval_every": 5, "batch_size": 4, "min_len": 8, "max_len": 12,
+        "n_val": 4, "n_samples": 3, "multipliers": [1, 2], "n_layer": 1, "n_embd": 16,
+        "n_head": 2})
+    ex = submitit.AutoExecutor(folder=tmp_path / "logs" / "submitit", cluster="local")
+    ex.update_parameters(timeout_min=5, cpus_per_task=1)
+    handle = ex.submit(ResumableTask(grace_s=30), job, tmp_path, "cpu", 1, False)
+    deadline = time.time() + 180
+    while not list(tmp_path.glob("jobs/*/runs/*/checkpoints/step_*")):
+        assert not handle.done() and time.time() < deadline, "no checkpoint was written"
+        time.sleep(0.05)
+    # SLURM's preemption warning (USR2 under submitit) reaches every process of the task:
+    # the job's process (the lock names it) and the task running it (its parent)
+    pid = json.loads((tmp_path / "jobs" / job.name / ".lock").read_text())["pid"]
+    status_lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    task = int(next(line.split()[1] for line in status_lines if line.startswith("PPid:")))
+    os.kill(pid, signal.SIGUSR2)
+    os.kill(task, signal.SIGUSR2)
+    _, status, _ = handle.result()
+    assert status == 0
+    train = json.loads(sweep.result_path(tmp_path, job).read_text())["results"]["runs"][0][
+        "train"]
+    assert train["steps"] == 200 and 0 < train["resumed_step"] < 200
+    log = (tmp_path / "logs" / f"{job.name}.log").read_text()
+    assert log.count("--- attempt started") == 2 and "SIGTERM" in log and "resumed from" in log
+
+
 def test_paper_rows_and_cells():
     from mosaics.evaluation import paper
 

@@ -4,11 +4,16 @@ executor, which runs the same code path as real processes without a scheduler).
 Each array task runs :func:`mosaics.evaluation.sweep._spawn`, the function the local runner
 uses: the job's own process writes ``<out>/results/<name>.json`` and ``<out>/logs/<name>.log``;
 submitit's own files (the task's stdout/stderr and pickles) go to ``<out>/logs/submitit``.
+A preempted or timed-out task is requeued (:class:`ResumableTask`) and its job resumes from
+its last checkpoint.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -82,13 +87,59 @@ def _submitit() -> Any:
     return submitit
 
 
+class ResumableTask:
+    """An array task: runs one job's process (:func:`mosaics.evaluation.sweep._spawn`).
+
+    When SLURM signals a preemption, or the end of the time limit, submitit calls
+    :meth:`checkpoint`. It sends SIGTERM to the job's process, which finishes its step, writes
+    a checkpoint and exits. It waits for that up to ``grace_s`` seconds (submitit's signal
+    comes 90 s before the limit), then has the task requeued with the same arguments. The
+    requeued task's job resumes from the checkpoint. Nothing of a live task is pickled with
+    the requeue."""
+
+    def __init__(self, grace_s: float = 60.0) -> None:
+        self.grace_s = grace_s
+        self._children: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"grace_s": self.grace_s, "_children": None}
+
+    def __call__(self, job: Any, out: Path, device: str, threads: int,
+                 save_model: bool = False) -> tuple[Any, int, float]:
+        from .sweep import _Children, _spawn
+
+        # SLURM sends submitit's warning signal to every process of the task: the job's
+        # process ignores it and stops on the SIGTERM of checkpoint() instead
+        warning = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2").upper()
+        warning = warning if warning.startswith("SIG") else "SIG" + warning
+        self._children = _Children(ignored=(warning,))
+        return _spawn(job, out, device, threads, save_model, self._children)
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """submitit's hook (in the task's signal handler): stop the job at a checkpoint, then
+        the submission that requeues this task."""
+        live = list(self._children.live) if self._children is not None else []
+        for child in live:
+            child.send_signal(signal.SIGTERM)
+        deadline = time.time() + self.grace_s
+        for child in live:  # reaped here: the task's own wait() holds its Popen lock
+            while time.time() < deadline:
+                try:
+                    if os.waitpid(child.pid, os.WNOHANG)[0]:
+                        break
+                except ChildProcessError:
+                    break
+                time.sleep(0.1)
+        return _submitit().helpers.DelayedSubmission(ResumableTask(self.grace_s), *args,
+                                                     **kwargs)
+
+
 def submit(todo: Sequence[Any], out: Path, device: str, resources: Resources,
            executor: str = "slurm", save_model: bool = False,
            report: Callable[[str], None] = print) -> Iterator[tuple[Any, int, float, str]]:
     """Submit ``todo`` as one job array (``executor`` ``slurm``, or ``submitit-local`` for
-    local processes) and yield ``(job, exit status, seconds, reason)`` as tasks finish."""
-    from .sweep import _spawn
-
+    local processes) and yield ``(job, exit status, seconds, reason)`` as tasks finish; a
+    preempted or timed-out task is requeued (:class:`ResumableTask`)."""
     submitit = _submitit()
     folder = Path(out) / "logs" / "submitit"
     cluster = "local" if executor == "submitit-local" else "slurm"
@@ -99,8 +150,8 @@ def submit(todo: Sequence[Any], out: Path, device: str, resources: Resources,
     ex = submitit.AutoExecutor(folder=folder, cluster=cluster)
     ex.update_parameters(**resources.executor_parameters(f"mosaics-{Path(out).name}"))
     with ex.batch():
-        handles = [ex.submit(_spawn, job, Path(out), device, resources.cpus_per_job, save_model)
-                   for job in todo]
+        handles = [ex.submit(ResumableTask(), job, Path(out), device, resources.cpus_per_job,
+                             save_model) for job in todo]
     by_id = {h.job_id: job for h, job in zip(handles, todo)}
     first = handles[0].job_id.split("_")[0] if handles else "-"
     report(f"submitted {len(handles)} task(s) as {cluster} job {first}; scheduler logs in "

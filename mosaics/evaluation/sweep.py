@@ -351,9 +351,10 @@ class _Children:
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
-    def __init__(self) -> None:
+    def __init__(self, ignored: Sequence[str] = ()) -> None:
         self.live: set[subprocess.Popen] = set()
         self.stopped_by: str | None = None
+        self.ignored = tuple(ignored)  # signal names the job processes ignore
 
     def forward(self, signum: int, frame: Any) -> None:
         self.stopped_by = signal.Signals(signum).name
@@ -375,6 +376,8 @@ class _Children:
 
 
 NOT_STARTED = "not started: the sweep was stopped"
+# signal names a job's process ignores (a scheduler's warning meant for the task that runs it)
+IGNORE_ENV = "MOSAICS_IGNORE_SIGNALS"
 
 
 def _spawn(job: Job, out: Path, device: str, threads: int, save_model: bool = False,
@@ -392,8 +395,11 @@ def _spawn(job: Job, out: Path, device: str, threads: int, save_model: bool = Fa
     with open(log, "a") as handle:
         handle.write(f"--- attempt started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         handle.flush()
+        env = _child_env(threads)
+        if children is not None and children.ignored:
+            env[IGNORE_ENV] = ",".join(children.ignored)
         child = subprocess.Popen(_child_command(job, out, device, save_model), stdout=handle,
-                                 stderr=subprocess.STDOUT, env=_child_env(threads))
+                                 stderr=subprocess.STDOUT, env=env)
         if children is not None:
             children.live.add(child)
             if children.stopped_by:  # the signal came while it started
@@ -716,6 +722,8 @@ def _child_main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--save-model", action="store_true", help="save_pretrained the trained model")
     args = p.parse_args(argv)
+    for name in filter(None, os.environ.get(IGNORE_ENV, "").split(",")):
+        signal.signal(signal.Signals[name], signal.SIG_IGN)
     import torch
 
     from ..training.signals import RunPreempted
