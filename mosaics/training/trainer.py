@@ -148,8 +148,9 @@ class KeepBest(Hook):
         if self.state is not None:
             from safetensors.torch import save_file
 
-            save_file(self.state, str(folder / self.FILE),
-                      metadata={"val_loss": repr(self.loss), "step": str(self.step)})
+            meta = {"val_loss": repr(self.loss), "step": str(self.step)}
+            ckpt.write_file(folder / self.FILE,
+                            lambda name: save_file(self.state, name, metadata=meta))
 
     def load_state(self, folder: Path) -> None:
         path = folder / self.FILE
