@@ -442,3 +442,47 @@ def test_a_job_in_use_by_another_process_is_refused(tmp_path):
         holder.kill()
         holder.wait()
     assert not sweep.result_path(tmp_path, job).exists()
+
+
+def test_job_states_for_dry_run(tmp_path):
+    """``--dry-run`` says of each job: done, running (a live lock), stopped (an intact
+    checkpoint to resume), failed or todo, with the step its learning curve reached."""
+    from mosaics.training import checkpoint as ckpt
+    from mosaics.training.rundir import LOCK_NAME
+
+    jobs = [sweep.make_job("sort", "gaussian", seed=s, preset="cpu") for s in range(5)]
+    done, running, stopped, failed, todo = jobs
+    _fake_extrapolation(tmp_path, done, 1.0)
+    for job in (running, stopped, failed, todo):
+        run = tmp_path / "jobs" / job.name / "runs" / "sort-gaussian"
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text(
+            json.dumps({"step": 40, "val/loss": 1.0}) + "\n"
+            + json.dumps({"step": 40, "val/exact_match": 0.25}) + "\n")
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / "jobs" / running.name / LOCK_NAME).write_text(
+            json.dumps({"host": socket.gethostname(), "pid": holder.pid}))
+        assert sweep.job_state(tmp_path, running).startswith(
+            f"running  {running.name} (PID {holder.pid} on {socket.gethostname()}; step 40, "
+            "val exact match 0.25)")
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder is gone: its lock no longer counts and the job is what its files say
+    assert sweep.job_state(tmp_path, running).startswith("todo")
+    step = ckpt.checkpoint_root(tmp_path / "jobs" / stopped.name / "runs" / "sort-gaussian") \
+        / ckpt.step_dir_name(40)
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text("{}")
+    ckpt.write_manifest(step)
+    write_json(sweep.failure_path(tmp_path, failed), {"status": 3})
+    assert sweep.job_state(tmp_path, done).startswith(f"done     {done.name} (")
+    assert sweep.job_state(tmp_path, stopped) == (
+        f"stopped  {stopped.name} (resumes from step_0000040; step 40, val exact match 0.25)")
+    assert sweep.job_state(tmp_path, failed) == (
+        f"failed   {failed.name} (exit 3; step 40, val exact match 0.25)")
+    assert sweep.job_state(tmp_path, todo) == (
+        f"todo     {todo.name} (an attempt reached step 40, val exact match 0.25, no checkpoint)")
+    (step / "trainer_state.json").write_text("{ damaged")  # not intact: nothing to resume
+    assert sweep.job_state(tmp_path, stopped).startswith("todo")

@@ -98,7 +98,9 @@ def add_engine_args(p: argparse.ArgumentParser, out: str) -> None:
                         "--jobs)")
     g.add_argument("--save-models", action="store_true",
                    help="save_pretrained each trained model under <out>/jobs/<name>/models")
-    g.add_argument("--dry-run", action="store_true", help="list the jobs and exit")
+    g.add_argument("--dry-run", action="store_true",
+                   help="list the jobs with their state (done, running at step N, stopped at "
+                        "a checkpoint, failed, todo) and exit")
     g.add_argument("--no-progress", action="store_true",
                    help="accepted for older command lines: jobs never draw progress bars "
                         "(their output goes to <out>/logs/<name>.log)")
@@ -133,7 +135,7 @@ def run_engine(p: argparse.ArgumentParser, args: argparse.Namespace, jobs: list,
         print(f"note: {note}")
     if args.dry_run:
         for job in jobs:
-            print(f"{'done' if sweep.result_path(out, job).exists() else 'todo'}  {job.name}")
+            print(sweep.job_state(out, job))
         return 0
     try:
         resources = Resources.from_mapping(file_resources, "job file 'resources'").merged(

@@ -426,6 +426,44 @@ def _record_failure(out: Path, job: Job, status: int, seconds: float,
     return record
 
 
+def job_state(out: Path, job: Job) -> str:
+    """One line on where ``job`` stands under ``out``: ``done`` (minutes), ``running`` (the
+    process and host holding its lock, the step and validation exact match of its learning
+    curve), ``stopped`` (the step of the checkpoint the next sweep resumes), ``failed`` (exit
+    status) or ``todo``."""
+    from ..training.checkpoint import find_resumable
+    from ..training.rundir import LOCK_NAME, _identity, stale_reason
+
+    out = Path(out)
+    if result_path(out, job).exists():
+        record = json.loads(result_path(out, job).read_text())
+        return f"done     {job.name} ({record.get('seconds', 0) / 60:.1f} min)"
+    work = out / "jobs" / job.name
+    curve = ""
+    for metrics in sorted(work.glob("runs/*/metrics.jsonl")):
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        scored = [r for r in rows if "val/exact_match" in r]
+        if rows:
+            curve = f"step {rows[-1]['step']}" + (
+                f", val exact match {scored[-1]['val/exact_match']:.2f}" if scored else "")
+    try:
+        holder = json.loads((work / LOCK_NAME).read_text())
+    except (OSError, ValueError):
+        holder = None
+    if isinstance(holder, dict) and stale_reason(holder, _identity()) is None:
+        return (f"running  {job.name} (PID {holder.get('pid')} on {holder.get('host')}"
+                + (f"; {curve})" if curve else ")"))
+    for run_dir in sorted(work.glob("runs/*")):
+        path, _ = find_resumable(run_dir)
+        if path is not None:
+            return f"stopped  {job.name} (resumes from {path.name}; {curve or 'no curve'})"
+    if failure_path(out, job).exists():
+        status = json.loads(failure_path(out, job).read_text()).get("status")
+        return f"failed   {job.name} (exit {status}" + (f"; {curve})" if curve else ")")
+    return f"todo     {job.name}" + (f" (an attempt reached {curve}, no checkpoint)"
+                                     if curve else "")
+
+
 Outcome = tuple[Job, int, float, str]  # job, exit status, wall seconds, reason of a failure
 
 
