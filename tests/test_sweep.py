@@ -212,8 +212,9 @@ def test_tiny_sweep_end_to_end_with_two_processes(tmp_path):
 
 @pytest.mark.integration
 def test_a_stopped_sweep_checkpoints_its_job_and_the_next_one_resumes_it(tmp_path):
-    """SIGTERM to the runner reaches the running job (checkpoint, exit 75) and no other job
-    starts; the same command again resumes the job from its checkpoint and runs the other."""
+    """Ctrl-C (SIGINT to the runner's process group) reaches the running job once, as SIGTERM
+    from the runner (checkpoint, exit 75), and no other job starts; the same command again
+    resumes the job from its checkpoint and runs the other."""
     import signal
     import time
 
@@ -226,12 +227,12 @@ def test_a_stopped_sweep_checkpoints_its_job_and_the_next_one_resumes_it(tmp_pat
            "--set", "max_len=12", "--jobs", "1", "--threads", "1", "--device", "cpu",
            "--out", str(tmp_path)]
     runner = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.time() + 180
     while not list(tmp_path.glob("jobs/*/runs/*/checkpoints/step_*")):
         assert runner.poll() is None and time.time() < deadline, "no checkpoint was written"
         time.sleep(0.05)
-    runner.send_signal(signal.SIGTERM)
+    os.killpg(runner.pid, signal.SIGINT)  # as a terminal's Ctrl-C
     out, _ = runner.communicate(timeout=120)
     assert runner.returncode == 75, out[-3000:]
     assert out.count("STOPPED") == 2 and "not started" in out, out[-3000:]
@@ -247,6 +248,7 @@ def test_a_stopped_sweep_checkpoints_its_job_and_the_next_one_resumes_it(tmp_pat
     assert record["seconds"] >= train["resumed_seconds"] > 0
     log = (tmp_path / "logs" / f"{first}.log").read_text()
     assert log.count("--- attempt started") == 2 and "resumed from" in log
+    assert "stopped by SIGTERM" in log and "KeyboardInterrupt" not in log
     assert not list(tmp_path.glob("jobs/*/runs/*/checkpoints"))
 
 

@@ -346,10 +346,12 @@ def _child_env(threads: int) -> dict[str, str]:
 
 
 class _Children:
-    """The local runner's live job processes. A stop signal to the runner goes on to each
-    (it finishes its step, writes a checkpoint and exits 75) and no further job starts."""
+    """The local runner's live job processes, each in its own session, so that a signal to
+    the runner's process group (Ctrl-C, ``timeout``) reaches them once, from the runner. A
+    stop signal to the runner (SIGINT goes on as SIGTERM) goes on to each (it finishes its
+    step, writes a checkpoint and exits 75) and no further job starts."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self, ignored: Sequence[str] = ()) -> None:
         self.live: set[subprocess.Popen] = set()
@@ -359,7 +361,7 @@ class _Children:
     def forward(self, signum: int, frame: Any) -> None:
         self.stopped_by = signal.Signals(signum).name
         for child in list(self.live):
-            child.send_signal(signum)
+            child.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
 
     @contextlib.contextmanager
     def forwarding(self) -> Iterator[_Children]:
@@ -399,7 +401,8 @@ def _spawn(job: Job, out: Path, device: str, threads: int, save_model: bool = Fa
         if children is not None and children.ignored:
             env[IGNORE_ENV] = ",".join(children.ignored)
         child = subprocess.Popen(_child_command(job, out, device, save_model), stdout=handle,
-                                 stderr=subprocess.STDOUT, env=env)
+                                 stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=children is not None)
         if children is not None:
             children.live.add(child)
             if children.stopped_by:  # the signal came while it started
@@ -470,7 +473,8 @@ Outcome = tuple[Job, int, float, str]  # job, exit status, wall seconds, reason 
 def _run_local(todo: Sequence[Job], out: Path, device: str, parallel: int, threads: int,
                save_model: bool) -> Iterator[Outcome]:
     """The local runner: ``parallel`` child processes at a time, outcomes as they finish;
-    SIGTERM or SIGUSR1 to it stops every running job at a checkpoint and starts no other."""
+    SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) to it stops every running job at a checkpoint and
+    starts no other."""
     children = _Children()
     with children.forwarding(), ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
         futures = [pool.submit(_spawn, job, out, device, threads, save_model, children)
