@@ -240,3 +240,41 @@ def test_keep_best_state_travels_with_a_checkpoint(tmp_path):
     (tmp_path / KeepBest.FILE).unlink()
     again.load_state(tmp_path)  # a checkpoint written before any evaluation
     assert (again.loss, again.step, again.state) == (math.inf, None, None)
+
+
+def test_an_interrupted_regbench_run_resumes_to_the_same_scores(tmp_path, monkeypatch):
+    """The same for RegBench: its epoch batches resume at the interrupted step."""
+    import signal
+
+    from mosaics.evaluation import experiments
+    from mosaics.training import RunPreempted
+
+    proto = experiments.with_overrides(experiments.REGBENCH_PRESETS["cpu"], max_steps=9,
+                                       eval_every=3, n_val=6, n_test=6, batch_size=4, n_layer=1,
+                                       n_embd=32, n_head=2, pmem_size=16)
+
+    def run(out):
+        return experiments.run_regbench("mosaics", "gaussian", 20, proto, seed=0, out_dir=out,
+                                        save_model=True, progress=False, resume=True)["runs"][0]
+
+    whole = run(tmp_path / "whole")
+    original = experiments.Trainer.evaluate
+
+    def signal_at_step_3(self):
+        if self.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self)
+
+    monkeypatch.setattr(experiments.Trainer, "evaluate", signal_at_step_3)
+    with pytest.raises(RunPreempted, match="at step 4"):
+        run(tmp_path / "split")
+    monkeypatch.setattr(experiments.Trainer, "evaluate", original)
+    split = run(tmp_path / "split")
+    assert split["train"]["resumed_step"] == 4
+    for key in ("accuracy", "tvd"):
+        assert split[key] == whole[key]
+    assert split["train"]["best_val_loss"] == whole["train"]["best_val_loss"]
+    from safetensors.torch import load_file
+
+    a, b = (load_file(Path(r["model_dir"]) / "model.safetensors") for r in (whole, split))
+    assert all(torch.equal(a[k], b[k]) for k in a)
