@@ -462,3 +462,40 @@ def test_custom_score_kernel_from_the_docs(tiny_config):
     model = MosaicsForCausalLM(tiny_config(kernel="test_cubic_relu", kernel_kwargs={"b": 0.5}))
     ids = torch.randint(0, 61, (1, 9))
     assert torch.isfinite(model(ids, labels=ids, use_cache=False).loss)
+
+
+@pytest.mark.parametrize("name", ["gaussian_knn", "uniform_knn"])
+@pytest.mark.parametrize("offset,k", [(0, 3), (4, 5), (0, 40)])
+def test_dense_knn_retrieval_equals_the_tiled_one(name, offset, k):
+    """Short memories take dense matrices (_DenseTopKRetrieval), long ones the tiles of k
+    gathered rows: both give the same output and gradients (float64, ties impossible)."""
+    from mosaics.kernels.knn import _DenseTopKRetrieval
+    from mosaics.kernels.score_kernel import retrieve
+
+    keys = unit_keys(2, 3, 30, 8, dtype=torch.float64, seed=5)
+    queries = unit_keys(2, 3, 30 - offset, 8, dtype=torch.float64, seed=6)
+    values = values_like(keys)
+    beta = torch.tensor([1.0, 4.0, 20.0], dtype=torch.float64)
+    weight = values_like(values[:, :, :queries.shape[2]], seed=7)
+    results = []
+    for chunk in (2**21, 4):  # dense; tiles (more scores than chunk_elements)
+        kernel = get_kernel(name, k=k)
+        kernel.chunk_elements = chunk
+        q, kk, v, b = (x.clone().requires_grad_() for x in (queries, keys, values, beta))
+        calls = []
+        original = _DenseTopKRetrieval.forward
+
+        def spy(*args, original=original, calls=calls):
+            calls.append(1)
+            return original(*args)
+
+        _DenseTopKRetrieval.forward = staticmethod(spy)
+        try:
+            y = retrieve(kernel, q, kk, v, b, offset)
+        finally:
+            _DenseTopKRetrieval.forward = staticmethod(original)
+        assert bool(calls) == (chunk > 4)
+        (y * weight).sum().backward()
+        results.append((y, q.grad, kk.grad, v.grad, b.grad))
+    for dense, tiled in zip(*results, strict=True):
+        torch.testing.assert_close(dense, tiled, atol=1e-10, rtol=1e-10)

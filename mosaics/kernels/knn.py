@@ -13,6 +13,12 @@ of the row's 16 strided block maxima is a lower bound of its k-th largest entry,
 lie in the blocks whose max reaches that bound (about k of them), and a top-k over those
 blocks alone gives them. Everything after that works on the k selected entries per row
 (gathers of k key / value rows and scatter-adds), and the backward needs no score matrix.
+
+Short memories (:class:`_DenseTopKRetrieval`, at most ``chunk_elements`` scores in all): the
+whole score matrix, one top-k per row, the weights scattered into a dense (n, S) matrix and
+every product a batched GEMM. Gathers and scatter-adds of k rows cost far more per number
+than a GEMM, so at the MQMTAR recipe's shapes (128 heads x 89 x 89, k 32) the dense form is
+the faster one (``bench/knn_bound.py``).
 """
 
 from __future__ import annotations
@@ -65,6 +71,9 @@ class _KNNKernel(ScoreKernel):
 
     def retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                   offset: int) -> Tensor:
+        B, H, n, _ = queries.shape
+        if 0 < B * H * n * keys.shape[2] <= self.chunk_elements:
+            return _DenseTopKRetrieval.apply(queries, keys, values, beta, self, offset)
         return self.tiled(queries, keys, values, beta.view(1, -1, 1, 1),
                           self.past_tiles(offset))
 
@@ -108,6 +117,64 @@ class UniformKNNKernel(_KNNKernel):
     def top_weights(self, cos: Tensor, beta: Tensor) -> Tensor:
         found = torch.isfinite(cos).to(cos.dtype)
         return found / found.sum(dim=-1, keepdim=True).clamp_min(1.0)
+
+
+class _DenseTopKRetrieval(torch.autograd.Function):
+    """Strict-past retrieval with a kNN kernel through dense (BH, n, S) matrices, for short
+    memories: cos = Q K^T (entries past i + offset at -inf), the top min(k, S) of each row,
+    their weights p scattered into W, y = W V. Saved: W. Backward: dV = W^T dY and, for
+    weights that move with the scores (gaussian_knn), dP = dY V^T, dZ = W (dP - <W, dP>)
+    (softmax on the fixed support), dbeta = sum(dZ cos), dcos = beta dZ, dQ = dcos K,
+    dK = dcos^T Q."""
+
+    @staticmethod
+    def forward(ctx, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
+                kernel: _KNNKernel, offset: int) -> Tensor:
+        B, H, n, _ = queries.shape
+        S = keys.shape[2]
+        wd = work_dtype(queries.dtype)
+        with torch.autocast(queries.device.type, enabled=False):
+            q, k, v = (x.to(wd).reshape(B * H, x.shape[2], x.shape[3])
+                       for x in (queries, keys, values))
+            cos = _masked_cos(q, k, offset)
+            top, idx = cos.topk(min(kernel.k, S), dim=-1)
+            b = beta.detach().to(wd).view(1, H).expand(B, H).reshape(B * H, 1, 1)
+            w = torch.zeros_like(cos).scatter_(-1, idx, kernel.top_weights(top, b))
+            out = torch.bmm(w, v)
+        ctx.kernel, ctx.offset = kernel, offset
+        ctx.save_for_backward(queries, keys, values, beta, w)
+        return out.view(B, H, n, -1).to(values.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor):  # noqa: ANN205
+        queries, keys, values, beta, w = ctx.saved_tensors
+        B, H, n, _ = queries.shape
+        wd = w.dtype
+        with torch.autocast(queries.device.type, enabled=False):
+            q, k, v = (x.to(wd).reshape(B * H, x.shape[2], x.shape[3])
+                       for x in (queries, keys, values))
+            g = grad_out.to(wd).reshape(B * H, n, -1)
+            dv = torch.bmm(w.transpose(1, 2), g)
+            if isinstance(ctx.kernel, GaussianKNNKernel):
+                dz = torch.bmm(g, v.transpose(1, 2))
+                dz.sub_((w * dz).sum(-1, keepdim=True)).mul_(w)  # 0 off the support
+                cos = _masked_cos(q, k, ctx.offset).nan_to_num_(0.0, neginf=0.0)
+                dbeta = (dz * cos).sum((1, 2)).view(B, H).sum(0)
+                dz.mul_(beta.to(wd).view(1, H).expand(B, H).reshape(B * H, 1, 1))
+                dq, dk = torch.bmm(dz, k), torch.bmm(dz.transpose(1, 2), q)
+            else:  # uniform weights are constant in the scores
+                dq, dk, dbeta = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(beta)
+        return (dq.view(queries.shape).to(queries.dtype), dk.view(keys.shape).to(keys.dtype),
+                dv.view(values.shape).to(values.dtype), dbeta.to(beta.dtype), None, None)
+
+
+def _masked_cos(q: Tensor, k: Tensor, offset: int) -> Tensor:
+    """Q K^T (BH, n, S) with the entries j > i + offset at -inf."""
+    cos = torch.bmm(q, k.transpose(1, 2))
+    i = torch.arange(q.shape[1], device=q.device).view(-1, 1)
+    j = torch.arange(k.shape[1], device=q.device).view(1, -1)
+    return cos.masked_fill_(j > i + offset, float("-inf"))
 
 
 def _flat_index(idx: Tensor, S: int) -> Tensor:
