@@ -478,9 +478,9 @@ def test_dense_knn_retrieval_equals_the_tiled_one(name, offset, k):
     beta = torch.tensor([1.0, 4.0, 20.0], dtype=torch.float64)
     weight = values_like(values[:, :, :queries.shape[2]], seed=7)
     results = []
-    for chunk in (2**21, 4):  # dense; tiles (more scores than chunk_elements)
+    for dense in (True, False):
         kernel = get_kernel(name, k=k)
-        kernel.chunk_elements = chunk
+        kernel.dense_keys_per_k = float("inf") if dense else 0.0
         q, kk, v, b = (x.clone().requires_grad_() for x in (queries, keys, values, beta))
         calls = []
         original = _DenseTopKRetrieval.forward
@@ -494,7 +494,7 @@ def test_dense_knn_retrieval_equals_the_tiled_one(name, offset, k):
             y = retrieve(kernel, q, kk, v, b, offset)
         finally:
             _DenseTopKRetrieval.forward = staticmethod(original)
-        assert bool(calls) == (chunk > 4)
+        assert bool(calls) == dense
         (y * weight).sum().backward()
         results.append((y, q.grad, kk.grad, v.grad, b.grad))
     for dense, tiled in zip(*results, strict=True):

@@ -14,11 +14,12 @@ lie in the blocks whose max reaches that bound (about k of them), and a top-k ov
 blocks alone gives them. Everything after that works on the k selected entries per row
 (gathers of k key / value rows and scatter-adds), and the backward needs no score matrix.
 
-Short memories (:class:`_DenseTopKRetrieval`, at most ``chunk_elements`` scores in all): the
-whole score matrix, one top-k per row, the weights scattered into a dense (n, S) matrix and
-every product a batched GEMM. Gathers and scatter-adds of k rows cost far more per number
-than a GEMM, so at the MQMTAR recipe's shapes (128 heads x 89 x 89, k 32) the dense form is
-the faster one (``bench/knn_bound.py``).
+Short memories (:class:`_DenseTopKRetrieval`: at most ``dense_keys_per_k`` x k keys and
+``chunk_elements`` scores in all): the whole score matrix, one top-k per row, the weights
+scattered into a dense (n, S) matrix and every product a batched GEMM. A gathered or
+scattered row costs far more per number than a GEMM, while the dense form's work grows with
+S instead of k: measured (``bench/knn_bound.py``, one thread), the dense form is 1.7-3.3x
+faster up to S = 4 k, about even at 8 k and slower beyond.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def top_k_blocks(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 class _KNNKernel(ScoreKernel):
+    dense_keys_per_k: float = 6.0  # the dense form up to this many keys per selected entry
+
     def __init__(self, k: int = 16) -> None:
         super().__init__()
         self.k = check_positive_int(self.name, "k", k)
@@ -72,7 +75,9 @@ class _KNNKernel(ScoreKernel):
     def retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                   offset: int) -> Tensor:
         B, H, n, _ = queries.shape
-        if 0 < B * H * n * keys.shape[2] <= self.chunk_elements:
+        S = keys.shape[2]
+        dense_ok = self.dense_keys_per_k * self.k >= S
+        if 0 < B * H * n * S <= self.chunk_elements and dense_ok:
             return _DenseTopKRetrieval.apply(queries, keys, values, beta, self, offset)
         return self.tiled(queries, keys, values, beta.view(1, -1, 1, 1),
                           self.past_tiles(offset))
