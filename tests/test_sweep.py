@@ -241,7 +241,7 @@ def test_a_stopped_sweep_checkpoints_its_job_and_the_next_one_resumes_it(tmp_pat
                  for p in tmp_path.glob("jobs/*/runs/*/checkpoints/step_*"))
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "0 already done, 2 to run" in again.stdout
+    assert "0 already done, 2 to run (1 from a checkpoint)" in again.stdout
     record = json.loads((tmp_path / "results" / f"{first}.json").read_text())
     train = record["results"]["runs"][0]["train"]
     assert train["steps"] == 200 and 0 < train["resumed_step"] < 200

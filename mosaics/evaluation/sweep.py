@@ -429,12 +429,22 @@ def _record_failure(out: Path, job: Job, status: int, seconds: float,
     return record
 
 
+def _checkpointed(out: Path, job: Job) -> Path | None:
+    """The intact checkpoint a job's next attempt resumes from, if any."""
+    from ..training.checkpoint import find_resumable
+
+    for run_dir in sorted((Path(out) / "jobs" / job.name).glob("runs/*")):
+        path, _ = find_resumable(run_dir)
+        if path is not None:
+            return path
+    return None
+
+
 def job_state(out: Path, job: Job) -> str:
     """One line on where ``job`` stands under ``out``: ``done`` (minutes), ``running`` (the
     process and host holding its lock, the step and validation exact match of its learning
     curve), ``stopped`` (the step of the checkpoint the next sweep resumes), ``failed`` (exit
     status) or ``todo``."""
-    from ..training.checkpoint import find_resumable
     from ..training.rundir import LOCK_NAME, _identity, stale_reason
 
     out = Path(out)
@@ -456,10 +466,9 @@ def job_state(out: Path, job: Job) -> str:
     if isinstance(holder, dict) and stale_reason(holder, _identity()) is None:
         return (f"running  {job.name} (PID {holder.get('pid')} on {holder.get('host')}"
                 + (f"; {curve})" if curve else ")"))
-    for run_dir in sorted(work.glob("runs/*")):
-        path, _ = find_resumable(run_dir)
-        if path is not None:
-            return f"stopped  {job.name} (resumes from {path.name}; {curve or 'no curve'})"
+    path = _checkpointed(out, job)
+    if path is not None:
+        return f"stopped  {job.name} (resumes from {path.name}; {curve or 'no curve'})"
     if failure_path(out, job).exists():
         status = json.loads(failure_path(out, job).read_text()).get("status")
         return f"failed   {job.name} (exit {status}" + (f"; {curve})" if curve else ")")
@@ -508,17 +517,19 @@ def run_sweep(jobs: Sequence[Job], out: str | Path, parallel: int = 1, device: s
     todo = []
     for job in jobs:
         (done["skipped"] if result_path(out, job).exists() else todo).append(job)
+    resuming = sum(1 for job in todo if _checkpointed(out, job))
+    to_run = f"{len(todo)} to run" + (f" ({resuming} from a checkpoint)" if resuming else "")
     if executor == "local":
         threads = threads or threads_per_job(parallel)
-        report(f"{len(jobs)} jobs: {len(done['skipped'])} already done, {len(todo)} to run, "
+        report(f"{len(jobs)} jobs: {len(done['skipped'])} already done, {to_run}, "
                f"{min(parallel, len(todo) or 1)} at a time with {threads} thread(s) each on "
                f"{device}")
         outcomes = _run_local(todo, out, device, parallel, threads, save_model)
     else:
         from . import cluster
 
-        report(f"{len(jobs)} jobs: {len(done['skipped'])} already done, {len(todo)} to submit "
-               f"({executor}) on {device}")
+        report(f"{len(jobs)} jobs: {len(done['skipped'])} already done, "
+               f"{to_run.replace('to run', 'to submit')} ({executor}) on {device}")
         outcomes = cluster.submit(todo, out, device, resources or cluster.Resources(),
                                   executor, save_model, report) if todo else iter(())
     for i, (job, status, seconds, reason) in enumerate(outcomes, 1):
