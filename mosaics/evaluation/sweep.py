@@ -445,7 +445,7 @@ def job_state(out: Path, job: Job) -> str:
     process and host holding its lock, the step and validation exact match of its learning
     curve), ``stopped`` (the step of the checkpoint the next sweep resumes), ``failed`` (exit
     status) or ``todo``."""
-    from ..training.rundir import LOCK_NAME, _identity, stale_reason
+    from ..training.rundir import live_holder
 
     out = Path(out)
     if result_path(out, job).exists():
@@ -459,11 +459,8 @@ def job_state(out: Path, job: Job) -> str:
         if rows:
             curve = f"step {rows[-1]['step']}" + (
                 f", val exact match {scored[-1]['val/exact_match']:.2f}" if scored else "")
-    try:
-        holder = json.loads((work / LOCK_NAME).read_text())
-    except (OSError, ValueError):
-        holder = None
-    if isinstance(holder, dict) and stale_reason(holder, _identity()) is None:
+    holder = live_holder(work)
+    if holder is not None:
         return (f"running  {job.name} (PID {holder.get('pid')} on {holder.get('host')}"
                 + (f"; {curve})" if curve else ")"))
     path = _checkpointed(out, job)

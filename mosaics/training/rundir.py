@@ -61,6 +61,18 @@ def stale_reason(holder: dict[str, Any], me: dict[str, Any]) -> str | None:
     return None
 
 
+def live_holder(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """Who holds ``<run_dir>/.lock`` (host, PID, SLURM job, since) while that process may
+    still be running; ``None`` without a lock or with a stale one."""
+    try:
+        holder = json.loads((Path(run_dir) / LOCK_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(holder, dict) or stale_reason(holder, _identity()) is not None:
+        return None
+    return holder
+
+
 class RunLock:
     """``<run_dir>/.lock``, created atomically (a complete file linked into place)."""
 
