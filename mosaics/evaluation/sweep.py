@@ -537,8 +537,9 @@ def run_sweep(jobs: Sequence[Job], out: str | Path, parallel: int = 1, device: s
         elif status == EXIT_PREEMPTED:
             done["stopped"].append(job)
             report(f"[{i}/{len(todo)}] STOPPED {job.name} ("
-                   + (reason or f"exit {status}: checkpoint written after {seconds:.0f} s")
-                   + "; the next sweep resumes it)")
+                   + (f"{reason}; the next sweep runs it" if reason else
+                      f"exit {status}: checkpoint written after {seconds:.0f} s; the next "
+                      "sweep resumes it") + ")")
         else:
             _record_failure(out, job, status, seconds, reason)
             done["failed"].append(job)
