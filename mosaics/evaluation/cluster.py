@@ -94,15 +94,12 @@ class ResumableTask:
     :meth:`checkpoint`. It sends SIGTERM to the job's process, which finishes its step, writes
     a checkpoint and exits. It waits for that up to ``grace_s`` seconds (submitit's signal
     comes 90 s before the limit), then has the task requeued with the same arguments. The
-    requeued task's job resumes from the checkpoint. Nothing of a live task is pickled with
-    the requeue."""
+    requeued task's job resumes from the checkpoint: a fresh task, so nothing of the live one
+    is pickled with the requeue."""
 
     def __init__(self, grace_s: float = 60.0) -> None:
         self.grace_s = grace_s
         self._children: Any = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"grace_s": self.grace_s, "_children": None}
 
     def __call__(self, job: Any, out: Path, device: str, threads: int,
                  save_model: bool = False) -> tuple[Any, int, float]:

@@ -356,6 +356,7 @@ class _Children:
     def __init__(self, ignored: Sequence[str] = ()) -> None:
         self.live: set[subprocess.Popen] = set()
         self.stopped_by: str | None = None
+        self.not_started: set[str] = set()  # names of the jobs skipped after a stop
         self.ignored = tuple(ignored)  # signal names the job processes ignore
 
     def forward(self, signum: int, frame: Any) -> None:
@@ -390,6 +391,7 @@ def _spawn(job: Job, out: Path, device: str, threads: int, save_model: bool = Fa
     75), a scheduler's worker (:mod:`mosaics.evaluation.cluster`) in its own process."""
     out = Path(out)
     if children is not None and children.stopped_by:
+        children.not_started.add(job.name)
         return job, EXIT_PREEMPTED, 0.0
     log = out / "logs" / f"{job.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -487,8 +489,8 @@ def _run_local(todo: Sequence[Job], out: Path, device: str, parallel: int, threa
                    for job in todo]
         for future in as_completed(futures):
             job, status, seconds = future.result()
-            yield job, status, seconds, (NOT_STARTED if status == EXIT_PREEMPTED
-                                         and seconds == 0.0 else "")
+            yield job, status, seconds, (NOT_STARTED if job.name in children.not_started
+                                         else "")
 
 
 EXECUTORS = ("local", "slurm", "submitit-local")
