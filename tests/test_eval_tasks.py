@@ -2,6 +2,7 @@
 
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -222,6 +223,40 @@ def test_an_interrupted_task_run_resumes_to_the_same_result(tmp_path, monkeypatc
     a, b = (load_file(Path(r["model_dir"]) / "model.safetensors") for r in (whole, split))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not list((tmp_path / "split").glob("runs/*/checkpoints"))  # removed when finished
+
+
+def test_a_task_time_budget_counts_every_attempt(tmp_path, monkeypatch):
+    """A protocol's time budget is a compute budget: a run resumed after it is spent trains
+    one step and stops, where a training run's budget (scope "attempt") starts again."""
+    import signal
+
+    from mosaics.evaluation import experiments
+    from mosaics.training import RunPreempted
+    from mosaics.training import checkpoint as ckpt
+
+    proto = _tiny_sort_protocol()
+    original = experiments.TaskExactMatch.on_evaluate
+
+    def signal_at_step_6(self, trainer, step, val_loss):
+        original(self, trainer, step, val_loss)
+        if step == 6:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(experiments.TaskExactMatch, "on_evaluate", signal_at_step_6)
+    with pytest.raises(RunPreempted, match="at step 7"):
+        experiments.run_extrapolation("sort", "mosaics", "gaussian", proto, seed=0,
+                                      out_dir=tmp_path, progress=False, resume=True)
+    monkeypatch.setattr(experiments.TaskExactMatch, "on_evaluate", original)
+    spent = next(tmp_path.glob("runs/*/checkpoints/step_*"))
+    before = ckpt.read_trainer_state(spent)["wall_seconds"]
+    assert before > 0
+    # a budget below what the first attempt spent: the resumed attempt stops at once
+    run = experiments.run_extrapolation("sort", "mosaics", "gaussian",
+                                        replace(proto, time_budget_s=before / 2), seed=0,
+                                        out_dir=tmp_path, progress=False, resume=True)["runs"][0]
+    assert run["train"]["resumed_step"] == 7
+    assert run["train"]["steps"] == 8 and run["train"]["stopped_early"]
+    assert run["train"]["seconds"] >= before
 
 
 def test_keep_best_state_travels_with_a_checkpoint(tmp_path):

@@ -179,7 +179,7 @@ def fit_task_model(model: torch.nn.Module, batches: Any, val_batches: list[dict[
     last step or at ``schedule_steps``, clipping at 1); ``keep="best"`` restores the weights
     of the best validation loss, ``"last"`` keeps the last step's. Learning curves go to
     ``run_dir/metrics.jsonl`` when given; ``hooks`` run before the one that keeps the best
-    weights.
+    weights. ``time_budget_s`` counts every attempt of a resumed run.
 
     ``checkpoint_every > 0`` (needs ``run_dir``): a checkpoint every that many steps (the
     newest kept, with the best weights so far) that the same call resumes exactly, and
@@ -197,7 +197,7 @@ def fit_task_model(model: torch.nn.Module, batches: Any, val_batches: list[dict[
                       weight_decay=weight_decay, grad_clip=1.0, eval_interval=eval_every,
                       log_interval=eval_every, checkpoint_interval=checkpoint_every,
                       keep_checkpoints=1, progress_bar=progress, tensorboard=False,
-                      time_budget_s=time_budget_s)
+                      time_budget_s=time_budget_s, time_budget_scope="run")
     torch.manual_seed(seed)
     keepers = [KeepBest()] if keep == "best" else []
     trainer = Trainer(cfg, model.to(device), batches, val_batches, hooks=[*hooks, *keepers],

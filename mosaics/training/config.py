@@ -94,6 +94,9 @@ class TrainConfig:
     # metrics.jsonl is always written. tensorboard: false drops TensorBoard from this list.
     log_with: list[str] | str | None = "tensorboard"
     time_budget_s: float | None = None  # stop early after this many seconds (final eval kept)
+    # what the budget counts: "attempt" (this process; a resumed run gets it again, one SLURM
+    # allocation each) or "run" (every attempt together, a compute budget for a protocol)
+    time_budget_scope: str = "attempt"
 
     # final model and sample
     save_final: bool = True
@@ -128,6 +131,9 @@ class TrainConfig:
             raise ConfigError(f"need 0 <= min_lr <= lr, got min_lr={self.min_lr}, lr={self.lr}.")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ConfigError(f"time_budget_s must be positive or null, got {self.time_budget_s}.")
+        if self.time_budget_scope not in ("attempt", "run"):
+            raise ConfigError(f"time_budget_scope must be 'attempt' or 'run', got "
+                              f"{self.time_budget_scope!r}.")
         if self.fresh_start and self.resume:
             raise ConfigError("fresh_start=true and resume=true contradict each other; a run_dir "
                               "with checkpoints is resumed anyway, so drop one of them.")

@@ -322,6 +322,15 @@ class Trainer:
         now = 0.0 if self._fit_started is None else time.time() - self._fit_started
         return self.seconds_before + now
 
+    def _out_of_time(self, started: float) -> bool:
+        """Past ``time_budget_s``: this attempt's time, or the whole run's with scope "run"."""
+        budget = self.cfg.time_budget_s
+        if budget is None:
+            return False
+        spent = (self.elapsed_seconds if self.cfg.time_budget_scope == "run"
+                 else time.time() - started)
+        return spent > budget
+
     def setup(self) -> None:
         """Optimizer and schedule, the checkpoint to resume from, accelerate/DeepSpeed wrapping."""
         cfg, acc = self.cfg, self.accelerator
@@ -573,8 +582,7 @@ class Trainer:
                     self.bad_in_a_row = 0
                     window.append(row)
                     self.tokens_seen += int(row["tokens"]) * acc.num_processes
-                out_of_time = (cfg.time_budget_s is not None
-                               and time.time() - started > cfg.time_budget_s)
+                out_of_time = self._out_of_time(started)
                 last = self.step == cfg.max_steps or out_of_time
                 values: dict[str, float] = {}  # a stop signal skips the evaluation, not the log
                 if window and (self.step % cfg.log_interval == 0 or last or self.stop_requested):
