@@ -241,6 +241,28 @@ def test_lock_refuses_a_live_holder_and_replaces_a_dead_one(tmp_path, monkeypatc
     assert note is not None and "SLURM job 991 was requeued" in note
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_lock_of_a_reused_pid_or_an_earlier_boot_is_stale(tmp_path) -> None:
+    """A live PID is not its holder when it started at another time, or the host rebooted."""
+    from mosaics.training.rundir import _boot_id, _pid_start
+
+    host, alive = socket.gethostname(), os.getppid()
+    started, boot = _pid_start(alive), _boot_id()
+    assert isinstance(started, int) and started > 0 and boot
+    assert _pid_start(os.getpid()) >= started  # a child starts after its parent
+    _write_lock(tmp_path, host=host, pid=alive, boot_id=boot, pid_start=started)
+    with pytest.raises(ConfigError, match=f"in use by PID {alive}"):
+        RunLock(tmp_path).acquire()  # the same process: still held
+    _write_lock(tmp_path, host=host, pid=alive, boot_id=boot, pid_start=started - 1)
+    note = RunLock(tmp_path).acquire()
+    assert note is not None and f"PID {alive} now belongs to another process" in note
+    written = json.loads((tmp_path / LOCK_NAME).read_text())
+    assert written["pid_start"] == _pid_start(os.getpid()) and written["boot_id"] == boot
+    _write_lock(tmp_path, host=host, pid=alive, boot_id="an-earlier-boot", pid_start=started)
+    note = RunLock(tmp_path).acquire()
+    assert note is not None and "the host restarted since" in note
+
+
 def test_train_refuses_a_run_dir_in_use(tmp_path) -> None:
     _write_lock(tmp_path / "busy", host=socket.gethostname(), pid=os.getppid())
     with pytest.raises(ConfigError, match="busy is in use by PID"):

@@ -2,7 +2,8 @@
 
 ``<run_dir>/.lock`` names the process that trains into the folder (host, PID, SLURM job); a
 second run is refused while it lives. A lock is stale, and replaced, when its process is gone:
-same host and the PID no longer exists, or the same SLURM job id at another restart count (a
+same host and the PID no longer exists (or, on Linux, belongs to a later process, or the host
+rebooted since), or the same SLURM job id at another restart count (a
 requeued job is the next incarnation of the one that wrote it). A lock from another host
 cannot be checked and is refused with a message saying how to clear it.
 
@@ -29,10 +30,33 @@ PREVIOUS_RUNS = "previous_runs"
 
 
 def _identity() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(),
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid,
+            "boot_id": _boot_id(), "pid_start": _pid_start(pid),
             "slurm_job": os.environ.get("SLURM_JOB_ID"),
             "slurm_restart": os.environ.get("SLURM_RESTART_COUNT"),
             "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _boot_id() -> str | None:
+    """This boot of the host (Linux); a lock from an earlier boot is stale."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _pid_start(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (Linux ``/proc/<pid>/stat``
+    field 22); with the boot id it tells a PID reused by a later process from its holder."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    try:  # the command name (field 2) may hold spaces and parentheses: split after its last ')'
+        return int(stat[stat.rindex(")") + 2:].split()[19])
+    except (ValueError, IndexError):
+        return None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -58,6 +82,13 @@ def stale_reason(holder: dict[str, Any], me: dict[str, Any]) -> str | None:
         return "this process took it earlier"
     if not isinstance(pid, int) or not _pid_alive(pid):
         return f"process {pid} no longer exists"
+    boot, started = holder.get("boot_id"), holder.get("pid_start")
+    if boot is not None and me.get("boot_id") is not None and boot != me["boot_id"]:
+        return f"the host restarted since process {pid} took it"
+    if started is not None:
+        now = _pid_start(pid)
+        if now is not None and now != started:
+            return f"PID {pid} now belongs to another process"
     return None
 
 
