@@ -1,6 +1,7 @@
 """``mosaics.evaluation.cli.main``: regbench / extrapolation as front ends of the sweep engine
 (tiny real runs in the integration tier), perplexity, compare-loss, merging and argument errors."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -144,6 +145,71 @@ def test_perplexity_refuses_windows_longer_than_gpt2_positions(regbench_run, tmp
     assert "no such file" in capsys.readouterr().err
 
 
+@pytest.fixture
+def alibi_model_dir(tmp_path):
+    """A tiny MQMTAR-sized Memory Mosaics model trained with ALiBi, saved."""
+    import torch
+
+    from mosaics import MosaicsConfig, MosaicsForCausalLM
+
+    torch.manual_seed(0)
+    model = MosaicsForCausalLM(MosaicsConfig(vocab_size=263, n_layer=1, n_embd=16, n_head=2,
+                                             pmem_size=8, block_size=64, kernel="epanechnikov",
+                                             alibi=True))
+    model.save_pretrained(tmp_path / "alibi")
+    return tmp_path / "alibi"
+
+
+def test_a_saved_model_is_loaded_with_config_changes(alibi_model_dir):
+    """--model-set: the same weights in the changed model (here: without the position bias),
+    whose logits are those of a model built without it and given the weights."""
+    import torch
+
+    from mosaics import MosaicsConfig, MosaicsForCausalLM
+    from mosaics.evaluation.models import load_model
+
+    ids = torch.randint(0, 263, (2, 40), generator=torch.Generator().manual_seed(1))
+    as_saved = load_model(alibi_model_dir)
+    changed = load_model(alibi_model_dir, config_changes={"alibi": False})
+    assert as_saved.config.alibi and not changed.config.alibi
+    built = MosaicsForCausalLM(MosaicsConfig.from_pretrained(alibi_model_dir, alibi=False))
+    built.load_state_dict(as_saved.state_dict())
+    with torch.no_grad():
+        ref, got = built.eval()(ids).logits, changed(ids).logits
+        assert torch.allclose(got, ref, atol=1e-6, rtol=0)
+        assert not torch.allclose(as_saved(ids).logits, got, atol=1e-3)
+    with pytest.raises(ValueError, match="has no field 'alibj'"):
+        load_model(alibi_model_dir, config_changes={"alibj": False})
+
+
+def test_a_changed_saved_model_is_its_own_job(alibi_model_dir):
+    plain = sweep.make_job("mqmtar", "saved", model_dir=str(alibi_model_dir), preset="cpu")
+    off = sweep.make_job("mqmtar", "saved", model_dir=str(alibi_model_dir), preset="cpu",
+                         model_config={"alibi": False})
+    assert off.name != plain.name and off.name.startswith(plain.name.split("-s0-")[0])
+    assert off.label == f"{plain.label} (alibi=False)"
+    record = json.loads(json.dumps(dataclasses.asdict(off)))  # what the job's process gets
+    assert sweep.Job(**record).name == off.name
+    with pytest.raises(ValueError, match="has no field 'nope'"):
+        sweep.make_job("mqmtar", "saved", model_dir=str(alibi_model_dir), model_config={"nope": 1})
+    with pytest.raises(ValueError, match="saved model directory only"):
+        sweep.make_job("mqmtar", "mosaics/gaussian", model_config={"alibi": False})
+
+
+@pytest.mark.integration
+def test_extrapolation_scores_a_saved_model_with_a_config_change(alibi_model_dir, tmp_path):
+    args = ["extrapolation", "--task", "mqmtar", "--model", str(alibi_model_dir), "--preset",
+            "cpu", "--n-samples", "2", "--multipliers", "1", "--device", "cpu", "--threads",
+            "1", "--out", str(tmp_path)]
+    assert main([*args, "--model-set", "alibi=false"]) == 0 and main(args) == 0
+    runs = {r["results"]["runs"][0]["label"]: r["results"]["runs"][0]
+            for r in (json.loads(p.read_text()) for p in (tmp_path / "results").glob("*.json"))}
+    assert set(runs) == {str(alibi_model_dir), f"{alibi_model_dir} (alibi=False)"}
+    assert runs[f"{alibi_model_dir} (alibi=False)"]["model_config"] == {"alibi": False}
+    assert runs[str(alibi_model_dir)]["model_config"] == {}
+    assert "(alibi=False)" in (tmp_path / "summary.md").read_text()
+
+
 @pytest.mark.parametrize("argv,message", [
     (["regbench", "--kernel", "no_such_kernel", "--dry-run"], "registered kernels: "),
     (["extrapolation", "--task", "sort", "--kernel", "nope", "--dry-run"],
@@ -152,6 +218,7 @@ def test_perplexity_refuses_windows_longer_than_gpt2_positions(regbench_run, tmp
     (["regbench", "--kernel-kwargs", "{not json"], "must be a JSON object"),
     (["regbench", "--sizes", "0"], "positive integer"),
     (["regbench", "--model", "/no/such/dir"], "not a saved model directory"),
+    (["extrapolation", "--task", "mqmtar", "--model-set", "alibi=false"], "pass them with --model"),
     (["perplexity", "/no/such/dir", "--data", "x.txt"], "not a saved model directory"),
     (["sweep", "--task", "sort", "--file", "x.yaml"], "give one of"),
     (["sweep", "--task", "sort", "--executor", "pbs"], "invalid choice"),

@@ -63,7 +63,10 @@ def labelled_path(arg: str) -> tuple[str, Path]:
     return label, Path(path)
 
 
-def check_model_dirs(parser: argparse.ArgumentParser, dirs: list[str] | None) -> None:
+def check_model_dirs(parser: argparse.ArgumentParser, dirs: list[str] | None,
+                     changes: list[tuple[str, Any]] | None = None) -> None:
+    if changes and not dirs:
+        parser.error("--model-set changes the config of saved models: pass them with --model")
     for d in dirs or []:
         if not os.path.isfile(os.path.join(d, "config.json")):
             parser.error(f"--model {d}: not a saved model directory (no config.json)")
@@ -217,6 +220,11 @@ def _regbench_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-budget-min", type=float, help="stop each training run after this")
     p.add_argument("--model", nargs="+", metavar="DIR",
                    help="score saved model directories instead of training")
+    p.add_argument("--model-set", dest="model_config", type=setting_arg, action="append",
+                   default=[], metavar="KEY=VALUE",
+                   help="with --model: change a field of each saved model's config before "
+                        "scoring it, e.g. --model-set alibi=false (the same weights without "
+                        "the position bias)")
     p.add_argument("--merge", nargs="+", metavar="OUT_DIR",
                    help="copy the result files of other --out folders into --out and print "
                         "the merged tables (runs nothing)")
@@ -226,7 +234,7 @@ def _regbench_parser(p: argparse.ArgumentParser) -> None:
 def regbench_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.merge:
         return _merge(p, args)
-    check_model_dirs(p, args.model)
+    check_model_dirs(p, args.model, args.model_config)
     from . import sweep
 
     overrides = _overrides(
@@ -237,7 +245,8 @@ def regbench_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> in
     try:
         if args.model:
             jobs = [sweep.make_job("regbench", "saved", seed, None, args.preset, overrides,
-                                   model_dir=d) for d in args.model for seed in args.seed]
+                                   model_dir=d, model_config=dict(args.model_config))
+                    for d in args.model for seed in args.seed]
             notes: list[str] = []
         else:
             jobs, notes = sweep.expand_jobs(["regbench"], _models(args.arch, args.kernel),
@@ -271,11 +280,16 @@ def _extrapolation_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-budget-min", type=float)
     p.add_argument("--model", nargs="+", metavar="DIR",
                    help="score saved model directories instead of training")
+    p.add_argument("--model-set", dest="model_config", type=setting_arg, action="append",
+                   default=[], metavar="KEY=VALUE",
+                   help="with --model: change a field of each saved model's config before "
+                        "scoring it, e.g. --model-set alibi=false (the same weights without "
+                        "the position bias)")
     add_engine_args(p, "runs/extrapolation")
 
 
 def extrapolation_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    check_model_dirs(p, args.model)
+    check_model_dirs(p, args.model, args.model_config)
     from . import sweep
 
     overrides = _overrides(
@@ -287,7 +301,7 @@ def extrapolation_command(p: argparse.ArgumentParser, args: argparse.Namespace) 
     try:
         if args.model:
             jobs = [sweep.make_job(task, "saved", seed, None, args.preset, overrides,
-                                   model_dir=d)
+                                   model_dir=d, model_config=dict(args.model_config))
                     for task in args.task for d in args.model for seed in args.seed]
             notes: list[str] = []
         else:

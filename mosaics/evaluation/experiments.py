@@ -234,6 +234,14 @@ def _check_vocab(model: torch.nn.Module, expected: int, path: str | Path, task: 
                          "pass a model trained on this task")
 
 
+def _saved_run(model_dir: str | Path, changes: dict[str, Any] | None) -> dict[str, Any]:
+    """The label and provenance of a scored saved model (and its config changes)."""
+    label = str(model_dir)
+    if changes:
+        label += " (" + ", ".join(f"{k}={v}" for k, v in sorted(changes.items())) + ")"
+    return {"label": label, "model_dir": str(model_dir), "model_config": dict(changes or {})}
+
+
 def _label(arch: str, kernel: str | None) -> str:
     return f"{arch}/{kernel}" if is_mosaics(arch) else arch
 
@@ -246,9 +254,11 @@ def run_regbench(arch: str, kernel: str | None, size: int | None, proto: RegBenc
                  seed: int = 0, kernel_kwargs: dict | None = None, device: str = "cpu",
                  out_dir: str | Path | None = None, save_model: bool = False,
                  model_dir: str | None = None, progress: bool = True,
-                 resume: bool = False) -> dict[str, Any]:
+                 resume: bool = False,
+                 model_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train one model (``arch``, ``kernel``) on ``size`` training automata, or load the saved
-    ``model_dir``, and score it on the test automata; returns the JSON-ready results
+    ``model_dir`` (with the ``model_config`` changes to its config), and score it on the test
+    automata; returns the JSON-ready results
     ``{protocol, seed, data_fingerprint, test_fingerprint, baselines, runs: [one run]}``.
     ``resume`` (with ``out_dir``): checkpoint at every evaluation and continue an interrupted
     run of the same call where its last checkpoint left it (:func:`fit_task_model`)."""
@@ -258,11 +268,11 @@ def run_regbench(arch: str, kernel: str | None, size: int | None, proto: RegBenc
                                "test_fingerprint": heldout_fingerprint(data),
                                "baselines": regbench.baseline_scores(data.test), "runs": []}
     if model_dir:
-        model = load_model(model_dir, device)
+        model = load_model(model_dir, device, model_config)
         _check_vocab(model, regbench.VOCAB_SIZE, model_dir, "RegBench")
         score = regbench.evaluate_model(model, data.test, proto.batch_size, device, progress)
-        results["runs"].append({"label": str(model_dir), "model_dir": str(model_dir),
-                                "size": None, "params": count_parameters(model), **score})
+        results["runs"].append({**_saved_run(model_dir, model_config), "size": None,
+                                "params": count_parameters(model), **score})
         return results
     if size is None:
         raise ValueError("RegBench training needs a size (number of training automata)")
@@ -372,10 +382,12 @@ def run_extrapolation(task: str, arch: str, kernel: str | None, proto: Extrapola
                       seed: int = 0, kernel_kwargs: dict | None = None, device: str = "cpu",
                       out_dir: str | Path | None = None, save_model: bool = False,
                       model_dir: str | None = None, progress: bool = True,
-                      resume: bool = False) -> dict[str, Any]:
+                      resume: bool = False,
+                      model_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train one model (``arch``, ``kernel``) on lengths U{min..max_len}, or load the saved
-    ``model_dir``; exact match and token accuracy per test length. Returns the JSON-ready
-    results ``{task, protocol, seed, lengths, runs: [one run]}``. ``resume`` (with
+    ``model_dir`` (with the ``model_config`` changes to its config); exact match and token
+    accuracy per test length. Returns the JSON-ready results ``{task, protocol, seed,
+    lengths, runs: [one run]}``. ``resume`` (with
     ``out_dir``): checkpoint at every evaluation and continue an interrupted run of the same
     call where its last checkpoint left it (:func:`fit_task_model`)."""
     from tqdm.auto import tqdm
@@ -400,11 +412,11 @@ def run_extrapolation(task: str, arch: str, kernel: str | None, proto: Extrapola
         return out
 
     if model_dir:
-        model = load_model(model_dir, device)
+        model = load_model(model_dir, device, model_config)
         _check_vocab(model, spec.vocab_size, model_dir, task)
-        results["runs"].append({"label": str(model_dir), "model_dir": str(model_dir),
-                                "params": count_parameters(model),
-                                **evaluate(model, str(model_dir))})
+        run = _saved_run(model_dir, model_config)
+        results["runs"].append({**run, "params": count_parameters(model),
+                                **evaluate(model, run["label"])})
         return results
     val = tasks.fixed_set(task, proto.n_val, (proto.min_len, proto.max_len), seed + 2000)
     val_batches = [tasks.collate(val[i: i + proto.batch_size], spec.pad)

@@ -46,9 +46,12 @@ def model_config(arch: str, vocab_size: int, n_layer: int, n_embd: int, n_head: 
     return cfg
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
-    """Load a saved model directory (Memory Mosaics or a baseline) offline, in eval mode."""
-    from transformers import AutoModelForCausalLM
+def load_model(path: str | Path, device: str | torch.device = "cpu",
+               config_changes: dict[str, Any] | None = None) -> torch.nn.Module:
+    """Load a saved model directory (Memory Mosaics or a baseline) offline, in eval mode;
+    ``config_changes`` replace fields of its saved config first (a test-time ablation such as
+    ``{"alibi": False}``: the same weights, another model)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     import mosaics  # noqa: F401  (registers the Auto classes)
 
@@ -56,4 +59,19 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> torch.nn
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a model directory (no config.json); pass the "
                                 "folder written by save_pretrained")
-    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True).to(device).eval()
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    for key, value in (config_changes or {}).items():
+        check_config_change(path, key)
+        setattr(config, key, value)
+    return AutoModelForCausalLM.from_pretrained(path, config=config,
+                                                local_files_only=True).to(device).eval()
+
+
+def check_config_change(path: str | Path, key: str) -> None:
+    """Refuse a config change that names no field of the saved model's config.json."""
+    import json
+
+    saved = json.loads((Path(path) / "config.json").read_text())
+    if key not in saved:
+        raise ValueError(f"{path}: its config has no field {key!r}, so it cannot be changed at "
+                         f"load time; its fields: {', '.join(sorted(saved))}")
