@@ -72,6 +72,17 @@ def check_model_dirs(parser: argparse.ArgumentParser, dirs: list[str] | None,
             parser.error(f"--model {d}: not a saved model directory (no config.json)")
 
 
+def add_saved_model_args(p: argparse.ArgumentParser) -> None:
+    """``--model DIR ...`` (score saved models instead of training) and ``--model-set``."""
+    p.add_argument("--model", nargs="+", metavar="DIR",
+                   help="score saved model directories instead of training")
+    p.add_argument("--model-set", dest="model_config", type=setting_arg, action="append",
+                   default=[], metavar="KEY=VALUE",
+                   help="with --model: change a field of each saved model's config before "
+                        "scoring it, e.g. --model-set alibi=false (the same weights without "
+                        "the position bias)")
+
+
 def default_device() -> str:
     import torch
 
@@ -218,13 +229,7 @@ def _regbench_parser(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, type=positive_int)
     p.add_argument("--lr", type=float)
     p.add_argument("--time-budget-min", type=float, help="stop each training run after this")
-    p.add_argument("--model", nargs="+", metavar="DIR",
-                   help="score saved model directories instead of training")
-    p.add_argument("--model-set", dest="model_config", type=setting_arg, action="append",
-                   default=[], metavar="KEY=VALUE",
-                   help="with --model: change a field of each saved model's config before "
-                        "scoring it, e.g. --model-set alibi=false (the same weights without "
-                        "the position bias)")
+    add_saved_model_args(p)
     p.add_argument("--merge", nargs="+", metavar="OUT_DIR",
                    help="copy the result files of other --out folders into --out and print "
                         "the merged tables (runs nothing)")
@@ -278,13 +283,7 @@ def _extrapolation_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--multipliers", nargs="+", type=positive_int,
                    help="test lengths = 64 x these (reference: 1 2 4 8 16 32 64)")
     p.add_argument("--time-budget-min", type=float)
-    p.add_argument("--model", nargs="+", metavar="DIR",
-                   help="score saved model directories instead of training")
-    p.add_argument("--model-set", dest="model_config", type=setting_arg, action="append",
-                   default=[], metavar="KEY=VALUE",
-                   help="with --model: change a field of each saved model's config before "
-                        "scoring it, e.g. --model-set alibi=false (the same weights without "
-                        "the position bias)")
+    add_saved_model_args(p)
     add_engine_args(p, "runs/extrapolation")
 
 
