@@ -185,15 +185,16 @@ def test_a_saved_model_is_loaded_with_config_changes(alibi_model_dir):
 def test_a_changed_saved_model_is_its_own_job(alibi_model_dir):
     plain = sweep.make_job("mqmtar", "saved", model_dir=str(alibi_model_dir), preset="cpu")
     off = sweep.make_job("mqmtar", "saved", model_dir=str(alibi_model_dir), preset="cpu",
-                         model_config={"alibi": False})
+                         config_changes={"alibi": False})
     assert off.name != plain.name and off.name.startswith(plain.name.split("-s0-")[0])
     assert off.label == f"{plain.label} (alibi=False)"
     record = json.loads(json.dumps(dataclasses.asdict(off)))  # what the job's process gets
     assert sweep.Job(**record).name == off.name
     with pytest.raises(ValueError, match="has no field 'nope'"):
-        sweep.make_job("mqmtar", "saved", model_dir=str(alibi_model_dir), model_config={"nope": 1})
+        sweep.make_job("mqmtar", "saved", model_dir=str(alibi_model_dir),
+                       config_changes={"nope": 1})
     with pytest.raises(ValueError, match="saved model directory only"):
-        sweep.make_job("mqmtar", "mosaics/gaussian", model_config={"alibi": False})
+        sweep.make_job("mqmtar", "mosaics/gaussian", config_changes={"alibi": False})
 
 
 @pytest.mark.integration
@@ -205,8 +206,8 @@ def test_extrapolation_scores_a_saved_model_with_a_config_change(alibi_model_dir
     runs = {r["results"]["runs"][0]["label"]: r["results"]["runs"][0]
             for r in (json.loads(p.read_text()) for p in (tmp_path / "results").glob("*.json"))}
     assert set(runs) == {str(alibi_model_dir), f"{alibi_model_dir} (alibi=False)"}
-    assert runs[f"{alibi_model_dir} (alibi=False)"]["model_config"] == {"alibi": False}
-    assert runs[str(alibi_model_dir)]["model_config"] == {}
+    assert runs[f"{alibi_model_dir} (alibi=False)"]["config_changes"] == {"alibi": False}
+    assert runs[str(alibi_model_dir)]["config_changes"] == {}
     assert "(alibi=False)" in (tmp_path / "summary.md").read_text()
 
 

@@ -76,7 +76,7 @@ def add_saved_model_args(p: argparse.ArgumentParser) -> None:
     """``--model DIR ...`` (score saved models instead of training) and ``--model-set``."""
     p.add_argument("--model", nargs="+", metavar="DIR",
                    help="score saved model directories instead of training")
-    p.add_argument("--model-set", dest="model_config", type=setting_arg, action="append",
+    p.add_argument("--model-set", dest="config_changes", type=setting_arg, action="append",
                    default=[], metavar="KEY=VALUE",
                    help="with --model: change a field of each saved model's config before "
                         "scoring it, e.g. --model-set alibi=false (the same weights without "
@@ -239,7 +239,7 @@ def _regbench_parser(p: argparse.ArgumentParser) -> None:
 def regbench_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.merge:
         return _merge(p, args)
-    check_model_dirs(p, args.model, args.model_config)
+    check_model_dirs(p, args.model, args.config_changes)
     from . import sweep
 
     overrides = _overrides(
@@ -250,7 +250,7 @@ def regbench_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> in
     try:
         if args.model:
             jobs = [sweep.make_job("regbench", "saved", seed, None, args.preset, overrides,
-                                   model_dir=d, model_config=dict(args.model_config))
+                                   model_dir=d, config_changes=dict(args.config_changes))
                     for d in args.model for seed in args.seed]
             notes: list[str] = []
         else:
@@ -288,7 +288,7 @@ def _extrapolation_parser(p: argparse.ArgumentParser) -> None:
 
 
 def extrapolation_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    check_model_dirs(p, args.model, args.model_config)
+    check_model_dirs(p, args.model, args.config_changes)
     from . import sweep
 
     overrides = _overrides(
@@ -300,7 +300,7 @@ def extrapolation_command(p: argparse.ArgumentParser, args: argparse.Namespace) 
     try:
         if args.model:
             jobs = [sweep.make_job(task, "saved", seed, None, args.preset, overrides,
-                                   model_dir=d, model_config=dict(args.model_config))
+                                   model_dir=d, config_changes=dict(args.config_changes))
                     for task in args.task for d in args.model for seed in args.seed]
             notes: list[str] = []
         else:

@@ -239,7 +239,7 @@ def _saved_run(model_dir: str | Path, changes: dict[str, Any] | None) -> dict[st
     label = str(model_dir)
     if changes:
         label += " (" + ", ".join(f"{k}={v}" for k, v in sorted(changes.items())) + ")"
-    return {"label": label, "model_dir": str(model_dir), "model_config": dict(changes or {})}
+    return {"label": label, "model_dir": str(model_dir), "config_changes": dict(changes or {})}
 
 
 def _label(arch: str, kernel: str | None) -> str:
@@ -255,9 +255,9 @@ def run_regbench(arch: str, kernel: str | None, size: int | None, proto: RegBenc
                  out_dir: str | Path | None = None, save_model: bool = False,
                  model_dir: str | None = None, progress: bool = True,
                  resume: bool = False,
-                 model_config: dict[str, Any] | None = None) -> dict[str, Any]:
+                 config_changes: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train one model (``arch``, ``kernel``) on ``size`` training automata, or load the saved
-    ``model_dir`` (with the ``model_config`` changes to its config), and score it on the test
+    ``model_dir`` (with the ``config_changes`` to its config), and score it on the test
     automata; returns the JSON-ready results
     ``{protocol, seed, data_fingerprint, test_fingerprint, baselines, runs: [one run]}``.
     ``resume`` (with ``out_dir``): checkpoint at every evaluation and continue an interrupted
@@ -268,10 +268,10 @@ def run_regbench(arch: str, kernel: str | None, size: int | None, proto: RegBenc
                                "test_fingerprint": heldout_fingerprint(data),
                                "baselines": regbench.baseline_scores(data.test), "runs": []}
     if model_dir:
-        model = load_model(model_dir, device, model_config)
+        model = load_model(model_dir, device, config_changes)
         _check_vocab(model, regbench.VOCAB_SIZE, model_dir, "RegBench")
         score = regbench.evaluate_model(model, data.test, proto.batch_size, device, progress)
-        results["runs"].append({**_saved_run(model_dir, model_config), "size": None,
+        results["runs"].append({**_saved_run(model_dir, config_changes), "size": None,
                                 "params": count_parameters(model), **score})
         return results
     if size is None:
@@ -383,9 +383,9 @@ def run_extrapolation(task: str, arch: str, kernel: str | None, proto: Extrapola
                       out_dir: str | Path | None = None, save_model: bool = False,
                       model_dir: str | None = None, progress: bool = True,
                       resume: bool = False,
-                      model_config: dict[str, Any] | None = None) -> dict[str, Any]:
+                      config_changes: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train one model (``arch``, ``kernel``) on lengths U{min..max_len}, or load the saved
-    ``model_dir`` (with the ``model_config`` changes to its config); exact match and token
+    ``model_dir`` (with the ``config_changes`` to its config); exact match and token
     accuracy per test length. Returns the JSON-ready results ``{task, protocol, seed,
     lengths, runs: [one run]}``. ``resume`` (with
     ``out_dir``): checkpoint at every evaluation and continue an interrupted run of the same
@@ -412,9 +412,9 @@ def run_extrapolation(task: str, arch: str, kernel: str | None, proto: Extrapola
         return out
 
     if model_dir:
-        model = load_model(model_dir, device, model_config)
+        model = load_model(model_dir, device, config_changes)
         _check_vocab(model, spec.vocab_size, model_dir, task)
-        run = _saved_run(model_dir, model_config)
+        run = _saved_run(model_dir, config_changes)
         results["runs"].append({**run, "params": count_parameters(model),
                                 **evaluate(model, run["label"])})
         return results

@@ -62,7 +62,7 @@ class Job:
     kernel_kwargs: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     model_dir: str | None = None
     # changes to the saved model's config before it is scored (model "saved" only)
-    model_config: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    config_changes: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def arch(self) -> str:
@@ -76,9 +76,9 @@ class Job:
     def label(self) -> str:
         """The table row: the model, with its kernel arguments if any."""
         if self.model_dir is not None:
-            if not self.model_config:
+            if not self.config_changes:
                 return self.model_dir
-            changes = ", ".join(f"{k}={v}" for k, v in sorted(self.model_config.items()))
+            changes = ", ".join(f"{k}={v}" for k, v in sorted(self.config_changes.items()))
             return f"{self.model_dir} ({changes})"
         extra = ",".join(f"{k}={v}" for k, v in sorted(self.kernel_kwargs.items()))
         label = f"{self.model} ({extra})" if extra else self.model
@@ -101,7 +101,7 @@ class Job:
         if self.model_dir is not None:
             digest = hashlib.sha1(self.model_dir.encode()).hexdigest()[:6]
             parts.append(f"{Path(self.model_dir).name}-{digest}")
-            parts += [f"{k}{v}" for k, v in sorted(self.model_config.items())]
+            parts += [f"{k}{v}" for k, v in sorted(self.config_changes.items())]
         parts += [f"{k}{v}" for k, v in sorted(self.kernel_kwargs.items())]
         parts += [k for k in MODEL_OVERRIDES if self.overrides.get(k)]
         if self.size is not None:
@@ -150,10 +150,10 @@ def _own_overrides(task: str, overrides: dict[str, Any]) -> dict[str, Any]:
 def make_job(task: str, model: str, seed: int = 0, size: int | None = None,
              preset: str = "reference", overrides: dict[str, Any] | None = None,
              kernel_kwargs: dict[str, Any] | None = None, model_dir: str | None = None,
-             model_config: dict[str, Any] | None = None) -> Job:
+             config_changes: dict[str, Any] | None = None) -> Job:
     """A checked :class:`Job` (known task, model, kernel, preset and settings); with
     ``model_dir`` a job that scores that saved model directory (``model`` is ignored), after
-    the ``model_config`` changes to its config (fields of its config.json)."""
+    the ``config_changes`` to its config (fields of its config.json)."""
     from mosaics import available_kernels
 
     if task not in TASKS:
@@ -166,12 +166,12 @@ def make_job(task: str, model: str, seed: int = 0, size: int | None = None,
         if preset not in presets(task):
             raise ValueError(f"unknown {task} preset {preset!r}; choose from "
                              f"{', '.join(presets(task))}")
-        for key in model_config or {}:
+        for key in config_changes or {}:
             check_config_change(path, key)
         return Job(task, "saved", int(seed), None, preset,
                    _own_overrides(task, dict(overrides or {})), {}, str(path),
-                   dict(model_config or {}))
-    if model_config:
+                   dict(config_changes or {}))
+    if config_changes:
         raise ValueError("model config changes apply to a saved model directory only; to train "
                          "a model with another setting use the protocol override (e.g. "
                          "--set alibi=true) or the kernel arguments")
@@ -328,12 +328,12 @@ def run_job(job: Job, out: Path, device: str, save_model: bool = False) -> dict[
             results = experiments.run_regbench(job.arch, job.kernel, job.size, proto, job.seed,
                                                job.kernel_kwargs, device, work, save_model,
                                                job.model_dir, progress=False, resume=True,
-                                               model_config=job.model_config)
+                                               config_changes=job.config_changes)
         else:
             results = experiments.run_extrapolation(
                 job.task, job.arch, job.kernel, proto, job.seed, job.kernel_kwargs, device,
                 work, save_model, job.model_dir, progress=False, resume=True,
-                model_config=job.model_config)
+                config_changes=job.config_changes)
     finally:
         lock.release()
     earlier = sum(run.get("train", {}).get("resumed_seconds", 0.0) for run in results["runs"])
