@@ -174,10 +174,26 @@ def _tiny_sort_protocol():
                           batch_size=4, lr=1e-2, multipliers=(1, 2), n_samples=8, n_val=8)
 
 
+def _sigterm_after_evaluation(monkeypatch, step_to_stop: int) -> None:
+    """Make the task runs send this process SIGTERM after their evaluation at that step
+    (undone with ``monkeypatch.undo()``)."""
+    import signal
+
+    from mosaics.evaluation import experiments
+
+    original = experiments.TaskExactMatch.on_evaluate
+
+    def on_evaluate(self, trainer, step, val_loss):
+        original(self, trainer, step, val_loss)
+        if step == step_to_stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(experiments.TaskExactMatch, "on_evaluate", on_evaluate)
+
+
 def test_an_interrupted_task_run_resumes_to_the_same_result(tmp_path, monkeypatch):
     """A stop signal mid-run writes a checkpoint and raises RunPreempted; the same call again
     resumes from it and ends with the uninterrupted run's weights, scores and history."""
-    import signal
 
     from safetensors.torch import load_file
 
@@ -192,19 +208,12 @@ def test_an_interrupted_task_run_resumes_to_the_same_result(tmp_path, monkeypatc
                                              resume=True)["runs"][0]
 
     whole = run(tmp_path / "whole")
-    original = experiments.TaskExactMatch.on_evaluate
-
-    def signal_at_step_6(self, trainer, step, val_loss):
-        original(self, trainer, step, val_loss)
-        if step == 6:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(experiments.TaskExactMatch, "on_evaluate", signal_at_step_6)
+    _sigterm_after_evaluation(monkeypatch, 6)
     with pytest.raises(RunPreempted, match="stopped by SIGTERM at step 7"):
         run(tmp_path / "split")  # the processes agree on a stop at the next step
     checkpoints = list((tmp_path / "split").glob("runs/*/checkpoints/step_*"))
     assert [p.name for p in checkpoints] == ["step_0000007"]  # the newest only
-    monkeypatch.setattr(experiments.TaskExactMatch, "on_evaluate", original)
+    monkeypatch.undo()
     split = run(tmp_path / "split")
 
     assert split["train"]["resumed_step"] == 7 and whole["train"]["resumed_step"] is None
@@ -228,25 +237,17 @@ def test_an_interrupted_task_run_resumes_to_the_same_result(tmp_path, monkeypatc
 def test_a_task_time_budget_counts_every_attempt(tmp_path, monkeypatch):
     """A protocol's time budget is a compute budget: a run resumed after it is spent trains
     one step and stops, where a training run's budget (scope "attempt") starts again."""
-    import signal
 
     from mosaics.evaluation import experiments
     from mosaics.training import RunPreempted
     from mosaics.training import checkpoint as ckpt
 
     proto = _tiny_sort_protocol()
-    original = experiments.TaskExactMatch.on_evaluate
-
-    def signal_at_step_6(self, trainer, step, val_loss):
-        original(self, trainer, step, val_loss)
-        if step == 6:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(experiments.TaskExactMatch, "on_evaluate", signal_at_step_6)
+    _sigterm_after_evaluation(monkeypatch, 6)
     with pytest.raises(RunPreempted, match="at step 7"):
         experiments.run_extrapolation("sort", "mosaics", "gaussian", proto, seed=0,
                                       out_dir=tmp_path, progress=False, resume=True)
-    monkeypatch.setattr(experiments.TaskExactMatch, "on_evaluate", original)
+    monkeypatch.undo()
     spent = next(tmp_path.glob("runs/*/checkpoints/step_*"))
     before = ckpt.read_trainer_state(spent)["wall_seconds"]
     assert before > 0
