@@ -35,7 +35,7 @@ from ..training.trainer import (
     make_accelerator,
 )
 from . import regbench, tasks
-from .models import is_mosaics, load_model, model_config
+from .models import is_mosaics, load_model, model_config, saved_label
 
 
 @dataclass
@@ -236,10 +236,8 @@ def _check_vocab(model: torch.nn.Module, expected: int, path: str | Path, task: 
 
 def _saved_run(model_dir: str | Path, changes: dict[str, Any] | None) -> dict[str, Any]:
     """The label and provenance of a scored saved model (and its config changes)."""
-    label = str(model_dir)
-    if changes:
-        label += " (" + ", ".join(f"{k}={v}" for k, v in sorted(changes.items())) + ")"
-    return {"label": label, "model_dir": str(model_dir), "config_changes": dict(changes or {})}
+    return {"label": saved_label(model_dir, changes), "model_dir": str(model_dir),
+            "config_changes": dict(changes or {})}
 
 
 def _label(arch: str, kernel: str | None) -> str:

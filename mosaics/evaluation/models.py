@@ -60,18 +60,28 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         raise FileNotFoundError(f"{path} is not a model directory (no config.json); pass the "
                                 "folder written by save_pretrained")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
+    check_config_changes(path, config_changes or {})
     for key, value in (config_changes or {}).items():
-        check_config_change(path, key)
         setattr(config, key, value)
     return AutoModelForCausalLM.from_pretrained(path, config=config,
                                                 local_files_only=True).to(device).eval()
 
 
-def check_config_change(path: str | Path, key: str) -> None:
-    """Refuse a config change that names no field of the saved model's config.json."""
+def check_config_changes(path: str | Path, changes: dict[str, Any]) -> None:
+    """Refuse config changes that name no field of the saved model's config.json."""
     import json
 
+    if not changes:
+        return
     saved = json.loads((Path(path) / "config.json").read_text())
-    if key not in saved:
-        raise ValueError(f"{path}: its config has no field {key!r}, so it cannot be changed at "
-                         f"load time; its fields: {', '.join(sorted(saved))}")
+    for key in changes:
+        if key not in saved:
+            raise ValueError(f"{path}: its config has no field {key!r}, so it cannot be changed "
+                             f"at load time; its fields: {', '.join(sorted(saved))}")
+
+
+def saved_label(model_dir: str | Path, changes: dict[str, Any] | None) -> str:
+    """The table row of a scored saved model: its folder, with its config changes if any."""
+    if not changes:
+        return str(model_dir)
+    return f"{model_dir} (" + ", ".join(f"{k}={v}" for k, v in sorted(changes.items())) + ")"

@@ -37,7 +37,7 @@ import numpy as np
 from ..training.rundir import RunLock
 from ..training.signals import EXIT_PREEMPTED
 from . import paper
-from .models import MOSAICS_ARCHS, check_config_change, is_mosaics
+from .models import MOSAICS_ARCHS, check_config_changes, is_mosaics, saved_label
 
 TASKS = ("regbench", "sort", "mqmtar")
 BASELINE_ARCHS = ("gpt2", "llama")
@@ -76,10 +76,7 @@ class Job:
     def label(self) -> str:
         """The table row: the model, with its kernel arguments if any."""
         if self.model_dir is not None:
-            if not self.config_changes:
-                return self.model_dir
-            changes = ", ".join(f"{k}={v}" for k, v in sorted(self.config_changes.items()))
-            return f"{self.model_dir} ({changes})"
+            return saved_label(self.model_dir, self.config_changes)
         extra = ",".join(f"{k}={v}" for k, v in sorted(self.kernel_kwargs.items()))
         label = f"{self.model} ({extra})" if extra else self.model
         return f"{label} +alibi" if self.overrides.get("alibi") else label
@@ -166,8 +163,7 @@ def make_job(task: str, model: str, seed: int = 0, size: int | None = None,
         if preset not in presets(task):
             raise ValueError(f"unknown {task} preset {preset!r}; choose from "
                              f"{', '.join(presets(task))}")
-        for key in config_changes or {}:
-            check_config_change(path, key)
+        check_config_changes(path, config_changes or {})
         return Job(task, "saved", int(seed), None, preset,
                    _own_overrides(task, dict(overrides or {})), {}, str(path),
                    dict(config_changes or {}))

@@ -322,13 +322,15 @@ class Trainer:
         now = 0.0 if self._fit_started is None else time.time() - self._fit_started
         return self.seconds_before + now
 
-    def _out_of_time(self, started: float) -> bool:
+    @property
+    def out_of_time(self) -> bool:
         """Past ``time_budget_s``: this attempt's time, or the whole run's with scope "run"."""
         budget = self.cfg.time_budget_s
         if budget is None:
             return False
-        spent = (self.elapsed_seconds if self.cfg.time_budget_scope == "run"
-                 else time.time() - started)
+        spent = self.elapsed_seconds
+        if self.cfg.time_budget_scope == "attempt":
+            spent -= self.seconds_before
         return spent > budget
 
     def setup(self) -> None:
@@ -561,7 +563,7 @@ class Trainer:
         if self.optimizer is None:
             self.setup()
         cfg, acc = self.cfg, self.accelerator
-        started = self._fit_started = time.time()
+        self._fit_started = time.time()
         if self.step >= cfg.max_steps and self.is_main:
             print(f"{self.name}: already at step {self.step} of max_steps={cfg.max_steps}; "
                   "raise max_steps to train further", file=sys.stderr)
@@ -582,7 +584,7 @@ class Trainer:
                     self.bad_in_a_row = 0
                     window.append(row)
                     self.tokens_seen += int(row["tokens"]) * acc.num_processes
-                out_of_time = self._out_of_time(started)
+                out_of_time = self.out_of_time
                 last = self.step == cfg.max_steps or out_of_time
                 values: dict[str, float] = {}  # a stop signal skips the evaluation, not the log
                 if window and (self.step % cfg.log_interval == 0 or last or self.stop_requested):
