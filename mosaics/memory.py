@@ -210,15 +210,7 @@ class ContextualMemory(nn.Module):
         w = state.weights if state is not None else self.weights()
         kv = F.linear(x.reshape(B * n, d), w.kv).view(B, n, 2, self.n_head, d // self.n_head)
         k_raw, v_raw = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (B, H, n, hs)
-        # keys: leaky sums continuing the state (restarted by a new document), unit norm
-        initial = None if state is None else state.kbar
-        if initial is not None and pos is not None and pos.restart is not None:
-            initial = initial * (~pos.restart).to(initial.dtype).view(B, 1, 1)
-        gain, log_decay = self.gated(x) if self.gated is not None else (None, w.log_decay)
-        kbar, last = leaky_average(k_raw, log_decay, gain=gain, initial=initial,
-                                   documents=None if pos is None else pos.documents,
-                                   chunk=self.chunk, decay=w.decay)
-        keys = unit_vectors(kbar, NORM_EPS)
+        keys, last = self.unit_keys(x, k_raw, w, pos, state)
         # values: each x_t finishes v_{t-1}; a whole sequence ends with v~_n := 0
         if state is None:  # entries 0 .. n - 1
             values = lookahead_values(v_raw, w.mix, eps=NORM_EPS)
@@ -252,6 +244,53 @@ class ContextualMemory(nn.Module):
             w = w._replace(mix=w.mix.view(1, -1, 1, 1))
         return y, MemoryState(kbar=last, key=last_key, v_raw=last_v, memory=memory, base=base,
                               weights=w)
+
+    def unit_keys(self, x: Tensor, k_raw: Tensor, w: ContextualWeights,
+                  pos: Positions | None = None,
+                  state: MemoryState | None = None) -> tuple[Tensor, Tensor]:
+        """Unit keys k_t = kbar_t / |kbar_t| of the leaky sums kbar_t = g_t k~_t + lambda_t
+        kbar_{t-1}, continuing ``state`` (restarted by a new document): k_raw (B, H, n, hs) ->
+        (keys (B, H, n, hs), the last leaky sum (B, H, 1, hs))."""
+        initial = None if state is None else state.kbar
+        if initial is not None and pos is not None and pos.restart is not None:
+            initial = initial * (~pos.restart).to(initial.dtype).view(x.shape[0], 1, 1)
+        gain, log_decay = self.gated(x) if self.gated is not None else (None, w.log_decay)
+        kbar, last = leaky_average(k_raw, log_decay, gain=gain, initial=initial,
+                                   documents=None if pos is None else pos.documents,
+                                   chunk=self.chunk, decay=w.decay)
+        return unit_vectors(kbar, NORM_EPS), last
+
+    @torch.no_grad()
+    def retrieval_weights(self, x: Tensor, rows: Tensor | None = None) -> Tensor:
+        """The weights the kernel gives each query over the strict past of a whole sequence,
+        the contextual memory's "attention map": x (B, T, d), the memory's (LayerNorm'd) input
+        -> w (B, H, n, T) fp32 for the query positions ``rows`` (n,) (all T by default), with
+        y_t = sum_s w_ts v_s and w_ts = 0 for s >= t (row 0 sees nothing: all 0).
+
+        The kernel's normalizer applied to the scores beta cos(k_t, k_s) (minus the ALiBi
+        bias m_h (t - s) when the config has it). Score kernels (every built-in one but FSKA)
+        of a memory without visible intervals (the v1 block) only."""
+        if self.intervals:
+            raise ValueError("retrieval_weights: this memory uses visible intervals (windows, "
+                             "document masking or an adaptive bandwidth: v2 options); it covers "
+                             "the v1 memory only")
+        if not supports_score_bias(self.kernel):
+            raise ValueError(f"retrieval_weights: kernel {self.kernel.name!r} has no score "
+                             "normalizer (weights(cos, beta, mask)), so its weights are not "
+                             "one row of scores; use a score kernel")
+        B, T, d = x.shape
+        w = self.weights()
+        k_raw = F.linear(x, w.kv[:d]).view(B, T, self.n_head, -1).transpose(1, 2)
+        keys = self.unit_keys(x, k_raw, w)[0].float()
+        rows = torch.arange(T, device=x.device) if rows is None else rows.to(x.device)
+        cos = keys[:, :, rows] @ keys.transpose(-1, -2)  # (B, H, n, T)
+        lag = rows.view(-1, 1) - torch.arange(T, device=x.device).view(1, -1)  # t - s
+        mask = lag > 0
+        beta = w.beta.float().view(1, -1, 1, 1)
+        if self.alibi:  # beta cos - m (t - s) = beta (cos - m (t - s) / beta)
+            cos = cos - self.slopes().float().view(1, -1, 1, 1) * lag.clamp(min=0) / beta
+        weights = self.kernel.weights(cos, beta, mask)
+        return torch.nan_to_num(weights).masked_fill(~mask, 0.0)  # a row with no entry: 0
 
     def retrieve(self, keys: Tensor, values: Tensor, beta: Tensor) -> Tensor:
         """The kernel's strict-past retrieval of a whole sequence (B, H, T, hs), with the

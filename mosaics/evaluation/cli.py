@@ -1,11 +1,12 @@
 """Every evaluation entry point: ``main(["regbench" | "extrapolation" | "perplexity" | "sweep" |
-"compare-loss", ...])``. The scripts under ``eval/`` call it.
+"retrieval" | "compare-loss", ...])``. The scripts under ``eval/`` call it.
 
 ``regbench``, ``extrapolation`` and ``sweep`` build jobs for one engine
 (:mod:`mosaics.evaluation.sweep`): each job runs in its own process (locally, or as a SLURM
 array task with ``--executor slurm``), writes ``<out>/results/<name>.json``, and is skipped
 when that file exists; the tables of everything under ``--out`` go to ``<out>/summary.md``.
-``perplexity`` and ``compare-loss`` score and compare saved language models.
+``perplexity`` and ``compare-loss`` score and compare saved language models; ``retrieval``
+reads where the contextual memory of saved task models looks.
 """
 
 from __future__ import annotations
@@ -412,6 +413,60 @@ def perplexity_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
     return 0
 
 
+# --- retrieval --------------------------------------------------------------------------------
+
+def _retrieval_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", nargs="+", required=True, metavar="DIR",
+                   help="saved Memory Mosaics task models (v1 memory, a score kernel)")
+    p.add_argument("--model-set", dest="config_changes", type=setting_arg, action="append",
+                   default=[], metavar="KEY=VALUE",
+                   help="change a field of each saved model's config first, e.g. "
+                        "--model-set alibi=false")
+    p.add_argument("--labels", nargs="+", metavar="LABEL",
+                   help="a table label per --model (default: the folders)")
+    p.add_argument("--task", choices=["sort", "mqmtar"], default="mqmtar")
+    p.add_argument("--lengths", nargs="+", type=positive_int, default=[64, 512, 4096],
+                   help="test lengths (default 64 512 4096: 1x, 8x and 64x of MQMTAR's 64)")
+    p.add_argument("--samples", type=positive_int, default=20,
+                   help="test samples per length: the first of the extrapolation job's test "
+                        "set (default 20)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the job's seed; its test sets use seed + 1000 (default 0)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", type=Path, help="folder for retrieval.json and retrieval.md")
+
+
+def retrieval_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    check_model_dirs(p, args.model, args.config_changes)
+    if args.labels and len(args.labels) != len(args.model):
+        p.error(f"--labels: {len(args.labels)} label(s) for {len(args.model)} --model folder(s); "
+                "give one per folder")
+    from . import experiments, models, retrieval, tasks
+
+    device = args.device or default_device()
+    changes = dict(args.config_changes)
+    sets = {n: tasks.fixed_set(args.task, args.samples, n, args.seed + 1000)
+            for n in sorted(args.lengths)}
+    profiles: dict[str, dict[int, dict[str, Any]]] = {}
+    for i, d in enumerate(args.model):
+        label = args.labels[i] if args.labels else models.saved_label(d, changes)
+        try:
+            model = models.load_model(d, device, changes)
+            profiles[label] = {n: retrieval.retrieval_profile(model, args.task, s, device)
+                               for n, s in sets.items()}
+        except ValueError as err:
+            p.error(f"--model {d}: {err}")
+    table = retrieval.retrieval_table(profiles)
+    print(table)
+    if args.out:
+        experiments.write_json(args.out / "retrieval.json",
+                               {"task": args.task, "seed": args.seed, "samples": args.samples,
+                                "profiles": profiles})
+        (args.out / "retrieval.md").write_text(table + "\n")
+        print(f"results: {args.out / 'retrieval.json'}")
+    return 0
+
+
 # --- compare-loss ------------------------------------------------------------------------------
 
 def _compare_parser(p: argparse.ArgumentParser) -> None:
@@ -449,6 +504,9 @@ COMMANDS = {
     "sweep": (_sweep_parser, sweep_command,
               "any grid of task jobs (--task x --model x --seed x --size), a job file, or the "
               "paper's suite; --summary-only merges what is under --out"),
+    "retrieval": (_retrieval_parser, retrieval_command,
+                  "where the contextual memory looks: block mass, support and effective "
+                  "support of the retrieval weights of saved task models, per test length"),
     "compare-loss": (_compare_parser, compare_command,
                      "table and figure of the loss by position of several perplexity.json"),
 }

@@ -1,0 +1,153 @@
+"""Where the contextual memory looks: the retrieval weights of a trained task model, per layer
+and head, at the rows that predict the scored tokens.
+
+For each query row the kernel gives weights w_s over the entries s < t
+(:meth:`ContextualMemory.retrieval_weights`); this module summarises them as
+
+- ``support``: the number of entries with w_s > 0 (all of them for the Gaussian kernel, a few
+  for the compact ones);
+- ``effective``: exp(entropy) of the row, w / sum w (how many entries the weight is spread
+  over, comparable across kernels);
+- ``block_mass`` (MQMTAR): sum of w_s over the six entries of the key-value block that answers
+  the row's query, ``[k1 k2 KVSEP v1 v2 FILL]``; the recall needs the weight there, and how
+  much of it survives a longer context is what length extrapolation measures.
+
+Rows: MQMTAR's 8 value tokens (the rows at the trg ``QSEP`` and ``v1`` of each answer); Sort's
+sorted tokens. The head that retrieves is the one with the most block mass at the shortest
+length; :func:`retrieval_table` follows it to the longer lengths.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import tasks
+
+
+def memory_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The contextual memories of a Memory Mosaics model, one per layer, in order."""
+    from ..memory import ContextualMemory
+
+    found = [m for m in model.modules() if isinstance(m, ContextualMemory)]
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no contextual memory; retrieval weights "
+                         "exist for Memory Mosaics models only")
+    return found
+
+
+@torch.no_grad()
+def memory_inputs(model: torch.nn.Module, input_ids: Tensor) -> tuple[list[Tensor], Tensor]:
+    """One forward of ``input_ids`` (B, T): the input (B, T, d) of each contextual memory, and
+    the logits (B, T, V)."""
+    inputs: list[Tensor] = []
+    hooks = [m.register_forward_pre_hook(lambda _m, args: inputs.append(args[0]))
+             for m in memory_modules(model)]
+    try:
+        logits = model(input_ids=input_ids).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    return inputs, logits
+
+
+def mqmtar_rows(tokens: np.ndarray) -> tuple[list[int], list[list[int]]]:
+    """The query rows of an MQMTAR sequence and, for each, the positions of the key-value block
+    that answers it: answer i ``[QSEP v1 v2]`` sits after SEP, its rows are the positions that
+    predict v1 and v2, and its block is the one whose key is that of query i."""
+    spec = tasks.MQMTAR
+    tokens = np.asarray(tokens)
+    sep = int(np.flatnonzero(tokens == spec.sep)[0])
+    rows: list[int] = []
+    blocks: list[list[int]] = []
+    first_query = sep - 3 * tasks.N_QUERIES
+    for i in range(tasks.N_QUERIES):
+        k1, k2 = tokens[first_query + 3 * i + 1], tokens[first_query + 3 * i + 2]
+        hits = np.flatnonzero((tokens[:first_query - 2] == k1) & (tokens[1:first_query - 1] == k2)
+                              & (tokens[2:first_query] == tasks.KVSEP))
+        if len(hits) != 1:
+            raise ValueError(f"query {i} (key {k1} {k2}) matches {len(hits)} blocks; not an "
+                             "MQMTAR sequence")
+        block = list(range(int(hits[0]), int(hits[0]) + 6))
+        answer = sep + 1 + 3 * i  # the trg QSEP: predicts v1; then v1 predicts v2
+        rows += [answer, answer + 1]
+        blocks += [block, block]
+    return rows, blocks
+
+
+def row_statistics(w: Tensor) -> dict[str, Tensor]:
+    """w (H, n, T) weights of n rows -> per head and row (H, n): support (entries with w > 0)
+    and effective (exp entropy of w / sum w; 0 for a row with no weight)."""
+    total = w.sum(-1, keepdim=True)
+    p = torch.where(total > 0, w / total.clamp(min=1e-30), torch.zeros_like(w))
+    entropy = -(p * torch.log(p.clamp(min=1e-30))).sum(-1)
+    effective = torch.where(total[..., 0] > 0, torch.exp(entropy), torch.zeros_like(entropy))
+    return {"support": (w > 0).sum(-1).float(), "effective": effective}
+
+
+@torch.no_grad()
+def retrieval_profile(model: torch.nn.Module, task: str, samples: list[tasks.Sample],
+                      device: str | torch.device = "cpu") -> dict[str, list[list[float]]]:
+    """Means over the samples' query rows, per layer and head ([layer][head]): ``support``,
+    ``effective`` and (MQMTAR) ``block_mass``; ``exact_match`` over the samples as well."""
+    model.eval()
+    mems = memory_modules(model)
+    sums: dict[str, Tensor] = {}
+    rows_seen = hits = 0
+    for sample in samples:
+        ids = torch.from_numpy(sample.tokens).view(1, -1).to(device)
+        if task == "mqmtar":
+            rows, blocks = mqmtar_rows(sample.tokens)
+        else:  # the rows that predict the scored tokens
+            rows, blocks = (np.flatnonzero(sample.score_mask) - 1).tolist(), None
+        xs, logits = memory_inputs(model, ids)
+        mask = torch.from_numpy(sample.score_mask).view(1, -1).to(device)
+        hits += int(tasks.exact_match(logits, ids, mask).sum())
+        index = torch.tensor(rows, device=device)
+        for layer, (mem, x) in enumerate(zip(mems, xs)):
+            w = mem.retrieval_weights(x, index)[0]  # (H, n, T)
+            stats = row_statistics(w)
+            if blocks is not None:
+                on_block = torch.zeros_like(w[0], dtype=torch.bool)
+                for r, block in enumerate(blocks):
+                    on_block[r, block] = True
+                stats["block_mass"] = (w * on_block).sum(-1)
+            for key, value in stats.items():
+                total = value.sum(-1).double().cpu()
+                sums.setdefault(key, torch.zeros(len(mems), w.shape[0], dtype=torch.float64))
+                sums[key][layer] += total
+        rows_seen += len(rows)
+    out: dict[str, Any] = {k: (v / rows_seen).tolist() for k, v in sums.items()}
+    out["exact_match"] = hits / len(samples)
+    return out
+
+
+def retrieval_head(profile: dict[str, Any]) -> tuple[int, int]:
+    """(layer, head) with the most block mass (MQMTAR), or else the smallest effective support."""
+    if "block_mass" in profile:
+        values = np.asarray(profile["block_mass"])
+        flat = int(values.argmax())
+    else:
+        values = np.asarray(profile["effective"])
+        flat = int(np.where(values > 0, values, np.inf).argmin())
+    return divmod(flat, values.shape[1])
+
+
+def retrieval_table(profiles: dict[str, dict[int, dict[str, Any]]]) -> str:
+    """Markdown: per model and length, the retrieval head (found at the model's shortest
+    length) with its block mass, support and effective support, and the exact match."""
+    lines = ["| model | length | exact match | head (layer.head) | block mass | support | "
+             "effective support |", "|---|---|---|---|---|---|---|"]
+    for label, by_length in profiles.items():
+        first = by_length[min(by_length)]
+        layer, head = retrieval_head(first)
+        for length in sorted(by_length):
+            p = by_length[length]
+            mass = f"{p['block_mass'][layer][head]:.3f}" if "block_mass" in p else "-"
+            lines.append(f"| {label} | {length} | {p['exact_match']:.2f} | {layer}.{head} | "
+                         f"{mass} | {p['support'][layer][head]:.1f} | "
+                         f"{p['effective'][layer][head]:.1f} |")
+    return "\n".join(lines)
