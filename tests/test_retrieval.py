@@ -114,6 +114,7 @@ def test_the_profile_averages_the_rows_of_every_layer_and_head():
     np.testing.assert_allclose(profile["block_mass"], mass / n, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(profile["support"], support / n)
     assert 0.0 <= profile["exact_match"] <= 1.0
+    assert profile["beta"] == [m.weights().beta.tolist() for m in retrieval.memory_modules(model)]
     layer, head = retrieval.retrieval_head(profile)
     assert profile["block_mass"][layer][head] == np.max(profile["block_mass"])
 

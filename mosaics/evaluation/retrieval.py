@@ -40,6 +40,12 @@ def memory_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 @torch.no_grad()
+def head_bandwidths(model: torch.nn.Module) -> list[list[float]]:
+    """The bandwidth beta_h of each layer's heads ([layer][head]): the scores are beta cos."""
+    return [m.weights().beta.float().tolist() for m in memory_modules(model)]
+
+
+@torch.no_grad()
 def memory_inputs(model: torch.nn.Module, input_ids: Tensor) -> tuple[list[Tensor], Tensor]:
     """One forward of ``input_ids`` (B, T): the input (B, T, d) of each contextual memory, and
     the logits (B, T, V)."""
@@ -92,7 +98,8 @@ def row_statistics(w: Tensor) -> dict[str, Tensor]:
 def retrieval_profile(model: torch.nn.Module, task: str, samples: list[tasks.Sample],
                       device: str | torch.device = "cpu") -> dict[str, list[list[float]]]:
     """Means over the samples' query rows, per layer and head ([layer][head]): ``support``,
-    ``effective`` and (MQMTAR) ``block_mass``; ``exact_match`` over the samples as well."""
+    ``effective`` and (MQMTAR) ``block_mass``; ``exact_match`` over the samples and the
+    heads' bandwidths ``beta`` as well."""
     model.eval()
     mems = memory_modules(model)
     sums: dict[str, Tensor] = {}
@@ -122,6 +129,7 @@ def retrieval_profile(model: torch.nn.Module, task: str, samples: list[tasks.Sam
         rows_seen += len(rows)
     out: dict[str, Any] = {k: (v / rows_seen).tolist() for k, v in sums.items()}
     out["exact_match"] = hits / len(samples)
+    out["beta"] = head_bandwidths(model)
     return out
 
 
@@ -139,15 +147,16 @@ def retrieval_head(profile: dict[str, Any]) -> tuple[int, int]:
 def retrieval_table(profiles: dict[str, dict[int, dict[str, Any]]]) -> str:
     """Markdown: per model and length, the retrieval head (found at the model's shortest
     length) with its block mass, support and effective support, and the exact match."""
-    lines = ["| model | length | exact match | head (layer.head) | block mass | support | "
-             "effective support |", "|---|---|---|---|---|---|---|"]
+    lines = ["| model | length | exact match | head (layer.head) | beta | block mass | support | "
+             "effective support |", "|---|---|---|---|---|---|---|---|"]
     for label, by_length in profiles.items():
         first = by_length[min(by_length)]
         layer, head = retrieval_head(first)
         for length in sorted(by_length):
             p = by_length[length]
             mass = f"{p['block_mass'][layer][head]:.3f}" if "block_mass" in p else "-"
+            beta = f"{p['beta'][layer][head]:.0f}" if "beta" in p else "-"
             lines.append(f"| {label} | {length} | {p['exact_match']:.2f} | {layer}.{head} | "
-                         f"{mass} | {p['support'][layer][head]:.1f} | "
+                         f"{beta} | {mass} | {p['support'][layer][head]:.1f} | "
                          f"{p['effective'][layer][head]:.1f} |")
     return "\n".join(lines)
