@@ -130,6 +130,7 @@ def test_the_command_writes_a_table_per_model_and_length(tmp_path, capsys):
     assert set(saved["profiles"]["tiny"]) == {"64", "128"}
     assert len(saved["profiles"]["tiny"]["64"]["block_mass"]) == 2  # layers
     assert (tmp_path / "out" / "retrieval.md").read_text().startswith("| model |")
+    assert (tmp_path / "out" / "retrieval.png").stat().st_size > 0
 
 
 def test_the_command_names_what_is_wrong(tmp_path, capsys):

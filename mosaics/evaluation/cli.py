@@ -441,7 +441,7 @@ def retrieval_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> i
     if args.labels and len(args.labels) != len(args.model):
         p.error(f"--labels: {len(args.labels)} label(s) for {len(args.model)} --model folder(s); "
                 "give one per folder")
-    from . import experiments, models, retrieval, tasks
+    from . import experiments, models, plots, retrieval, tasks
 
     device = args.device or default_device()
     changes = dict(args.config_changes)
@@ -463,7 +463,8 @@ def retrieval_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> i
                                {"task": args.task, "seed": args.seed, "samples": args.samples,
                                 "profiles": profiles})
         (args.out / "retrieval.md").write_text(table + "\n")
-        print(f"results: {args.out / 'retrieval.json'}")
+        plot = plots.plot_retrieval(profiles, args.out / "retrieval.png")
+        print(f"results: {args.out / 'retrieval.json'}\nplot: {plot}")
     return 0
 
 

@@ -86,6 +86,34 @@ def plot_extrapolation(results: dict[str, Any], path: str | Path) -> Path:
     return _save(fig, path)
 
 
+def plot_retrieval(profiles: dict[str, dict[int, dict[str, Any]]], path: str | Path) -> Path:
+    """Block mass and effective support of each model's retrieval head
+    (:func:`mosaics.evaluation.retrieval.retrieval_head`) against test length (log2 axes)."""
+    from .retrieval import retrieval_head
+
+    metrics = [m for m in ("block_mass", "effective")
+               if all(m in p for prof in profiles.values() for p in prof.values())]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for label, by_length in profiles.items():
+            layer, head = retrieval_head(by_length[min(by_length)])
+            lengths = sorted(by_length)
+            ax.plot(lengths, [by_length[n][metric][layer][head] for n in lengths], marker="o",
+                    label=f"{label} ({layer}.{head})")
+        ax.set_xscale("log", base=2)
+        if metric == "effective":
+            ax.set_yscale("log", base=2)
+        else:
+            ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("test length")
+        ax.set_ylabel({"block_mass": "weight on the answering block",
+                       "effective": "effective support (exp entropy)"}[metric])
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("retrieval head by test length")
+    return _save(fig, path)
+
+
 def _log_bins(loss: np.ndarray) -> tuple[list[float], list[float]]:
     """Centers and means of logarithmic bins of positions 1..len(loss)."""
     edges = np.unique(np.geomspace(1, len(loss) + 1, num=24).astype(int))
