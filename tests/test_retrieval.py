@@ -122,12 +122,16 @@ def test_the_profile_averages_the_rows_of_every_layer_and_head():
 def test_the_command_writes_a_table_per_model_and_length(tmp_path, capsys):
     d = tmp_path / "model"
     tiny("epanechnikov", vocab=263, n_layer=2).save_pretrained(d)
-    assert main(["retrieval", "--model", str(d), "--labels", "tiny", "--lengths", "128", "64",
-                 "--samples", "2", "--device", "cpu", "--out", str(tmp_path / "out")]) == 0
+    assert main(["retrieval", "--model", str(d), str(d), "--labels", "tiny", "again",
+                 "--seed", "0", "5", "--lengths", "128", "64", "--samples", "2",
+                 "--device", "cpu", "--out", str(tmp_path / "out")]) == 0
     table = capsys.readouterr().out
-    assert "| tiny | 64 |" in table and "| tiny | 128 |" in table
+    assert "| tiny | 64 |" in table and "| again | 128 |" in table
     saved = json.loads((tmp_path / "out" / "retrieval.json").read_text())
     assert set(saved["profiles"]["tiny"]) == {"64", "128"}
+    assert saved["seeds"] == {"tiny": 0, "again": 5}
+    # the same model on the test samples of another seed: other rows, other means
+    assert saved["profiles"]["tiny"]["64"] != saved["profiles"]["again"]["64"]
     assert len(saved["profiles"]["tiny"]["64"]["block_mass"]) == 2  # layers
     assert (tmp_path / "out" / "retrieval.md").read_text().startswith("| model |")
     assert (tmp_path / "out" / "retrieval.png").stat().st_size > 0
@@ -139,6 +143,12 @@ def test_the_command_names_what_is_wrong(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["retrieval", "--model", str(d), "--labels", "a", "b"])
     assert "one per folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["retrieval", "--model", str(d), str(d), "--seed", "1", "2", "3"])
+    assert "--seed: 3 value(s) for 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["retrieval", "--model", str(d), str(d)])
+    assert "share a label" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["retrieval", "--model", str(d), "--lengths", "64", "--samples", "1",
               "--device", "cpu"])

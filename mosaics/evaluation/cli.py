@@ -430,38 +430,47 @@ def _retrieval_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=positive_int, default=20,
                    help="test samples per length: the first of the extrapolation job's test "
                         "set (default 20)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="the job's seed; its test sets use seed + 1000 (default 0)")
+    p.add_argument("--seed", nargs="+", type=int, default=[0],
+                   help="the seed of each model's job, one for all or one per --model; the "
+                        "job's test sets use seed + 1000 (default 0)")
     p.add_argument("--device", default=None)
     p.add_argument("--out", type=Path, help="folder for retrieval.json and retrieval.md")
 
 
 def retrieval_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     check_model_dirs(p, args.model, args.config_changes)
-    if args.labels and len(args.labels) != len(args.model):
-        p.error(f"--labels: {len(args.labels)} label(s) for {len(args.model)} --model folder(s); "
-                "give one per folder")
+    n = len(args.model)
+    if args.labels and len(args.labels) != n:
+        p.error(f"--labels: {len(args.labels)} value(s) for {n} --model folder(s); give one "
+                "per folder")
+    if len(args.seed) not in (1, n):
+        p.error(f"--seed: {len(args.seed)} value(s) for {n} --model folder(s); give one per "
+                "folder or one for all")
     from . import experiments, models, plots, retrieval, tasks
 
     device = args.device or default_device()
     changes = dict(args.config_changes)
-    sets = {n: tasks.fixed_set(args.task, args.samples, n, args.seed + 1000)
-            for n in sorted(args.lengths)}
+    seeds = args.seed * len(args.model) if len(args.seed) == 1 else args.seed
+    labels = args.labels or [models.saved_label(d, changes) for d in args.model]
+    if len(set(labels)) != len(labels):
+        p.error("two --model folders share a label; name them with --labels")
     profiles: dict[str, dict[int, dict[str, Any]]] = {}
-    for i, d in enumerate(args.model):
-        label = args.labels[i] if args.labels else models.saved_label(d, changes)
+    for d, label, seed in zip(args.model, labels, seeds):
         try:
             model = models.load_model(d, device, changes)
-            profiles[label] = {n: retrieval.retrieval_profile(model, args.task, s, device)
-                               for n, s in sets.items()}
+            profiles[label] = {
+                n: retrieval.retrieval_profile(
+                    model, args.task, tasks.fixed_set(args.task, args.samples, n, seed + 1000),
+                    device)
+                for n in sorted(args.lengths)}
         except ValueError as err:
             p.error(f"--model {d}: {err}")
     table = retrieval.retrieval_table(profiles)
     print(table)
     if args.out:
         experiments.write_json(args.out / "retrieval.json",
-                               {"task": args.task, "seed": args.seed, "samples": args.samples,
-                                "profiles": profiles})
+                               {"task": args.task, "samples": args.samples,
+                                "seeds": dict(zip(labels, seeds)), "profiles": profiles})
         (args.out / "retrieval.md").write_text(table + "\n")
         plot = plots.plot_retrieval(profiles, args.out / "retrieval.png")
         print(f"results: {args.out / 'retrieval.json'}\nplot: {plot}")
