@@ -153,3 +153,40 @@ def test_the_command_names_what_is_wrong(tmp_path, capsys):
         main(["retrieval", "--model", str(d), "--lengths", "64", "--samples", "1",
               "--device", "cpu"])
     assert "no score normalizer" in capsys.readouterr().err
+
+
+def test_a_set_bandwidth_changes_that_head_only():
+    model = tiny("epanechnikov", n_layer=2)
+    before = [m.weights().beta.clone() for m in retrieval.memory_modules(model)]
+    retrieval.set_bandwidth(model, 1, 2, 15.0)
+    after = [m.weights().beta for m in retrieval.memory_modules(model)]
+    torch.testing.assert_close(after[0], before[0])
+    expected = before[1].clone()
+    expected[2] = 15.0
+    torch.testing.assert_close(after[1], expected)
+    for bad, match in (((2, 0, 1.0), "layers 0..1"), ((0, 4, 1.0), "heads 0..3"),
+                       ((0, 0, 0.0), "out of range"), ((0, 0, 3e4), "out of range")):
+        with pytest.raises(ValueError, match=match):
+            retrieval.set_bandwidth(model, *bad)
+
+
+def test_the_command_applies_a_bandwidth_intervention(tmp_path, capsys):
+    """A sharper head spreads its weight over fewer entries; the label says what was set."""
+    d = tmp_path / "model"
+    model = tiny("epanechnikov", vocab=263)
+    retrieval.set_bandwidth(model, 0, 1, 1.0)
+    model.save_pretrained(d)
+    for beta in ("1", "20000"):
+        assert main(["retrieval", "--model", str(d), "--bandwidth", f"0.1={beta}",
+                     "--lengths", "128", "--samples", "2", "--device", "cpu",
+                     "--out", str(tmp_path / beta)]) == 0
+    assert f"{d}, beta 0.1=20000 |" in capsys.readouterr().out
+    blunt, sharp = (json.loads((tmp_path / b / "retrieval.json").read_text())["profiles"]
+                    for b in ("1", "20000"))
+    (blunt,), (sharp,) = blunt.values(), sharp.values()
+    assert sharp["128"]["beta"][0][1] == pytest.approx(20000, rel=1e-4)
+    assert sharp["128"]["support"][0][1] < blunt["128"]["support"][0][1]
+    assert sharp["128"]["support"][0][0] == blunt["128"]["support"][0][0]  # other heads alike
+    with pytest.raises(SystemExit):
+        main(["retrieval", "--model", str(d), "--bandwidth", "3=15"])
+    assert "LAYER.HEAD=BETA" in capsys.readouterr().err

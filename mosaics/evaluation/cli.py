@@ -433,8 +433,26 @@ def _retrieval_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", nargs="+", type=int, default=[0],
                    help="the seed of each model's job, one for all or one per --model; the "
                         "job's test sets use seed + 1000 (default 0)")
+    p.add_argument("--bandwidth", type=bandwidth_arg, action="append", default=[],
+                   metavar="LAYER.HEAD=BETA",
+                   help="a test-time intervention: set one head's bandwidth beta before "
+                        "scoring, e.g. --bandwidth 3.0=15 (repeatable)")
     p.add_argument("--device", default=None)
-    p.add_argument("--out", type=Path, help="folder for retrieval.json and retrieval.md")
+    p.add_argument("--out", type=Path,
+                   help="folder for retrieval.json, retrieval.md and retrieval.png")
+
+
+def bandwidth_arg(text: str) -> tuple[int, int, float]:
+    """``LAYER.HEAD=BETA`` -> (layer, head, beta)."""
+    where, sep, value = text.partition("=")
+    layer, dot, head = where.partition(".")
+    try:
+        if not sep or not dot:
+            raise ValueError
+        return int(layer), int(head), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LAYER.HEAD=BETA (e.g. 3.0=15), got "
+                                         f"{text!r}") from None
 
 
 def retrieval_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -451,13 +469,16 @@ def retrieval_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> i
     device = args.device or default_device()
     changes = dict(args.config_changes)
     seeds = args.seed * len(args.model) if len(args.seed) == 1 else args.seed
-    labels = args.labels or [models.saved_label(d, changes) for d in args.model]
+    set_beta = "".join(f", beta {layer}.{head}={beta:g}" for layer, head, beta in args.bandwidth)
+    labels = args.labels or [models.saved_label(d, changes) + set_beta for d in args.model]
     if len(set(labels)) != len(labels):
         p.error("two --model folders share a label; name them with --labels")
     profiles: dict[str, dict[int, dict[str, Any]]] = {}
     for d, label, seed in zip(args.model, labels, seeds):
         try:
             model = models.load_model(d, device, changes)
+            for layer, head, beta in args.bandwidth:
+                retrieval.set_bandwidth(model, layer, head, beta)
             profiles[label] = {
                 n: retrieval.retrieval_profile(
                     model, args.task, tasks.fixed_set(args.task, args.samples, n, seed + 1000),
@@ -470,6 +491,7 @@ def retrieval_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> i
     if args.out:
         experiments.write_json(args.out / "retrieval.json",
                                {"task": args.task, "samples": args.samples,
+                                "config_changes": changes, "bandwidths": args.bandwidth,
                                 "seeds": dict(zip(labels, seeds)), "profiles": profiles})
         (args.out / "retrieval.md").write_text(table + "\n")
         plot = plots.plot_retrieval(profiles, args.out / "retrieval.png")

@@ -19,6 +19,7 @@ length; :func:`retrieval_table` follows it to the longer lengths.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,27 @@ def memory_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 def head_bandwidths(model: torch.nn.Module) -> list[list[float]]:
     """The bandwidth beta_h of each layer's heads ([layer][head]): the scores are beta cos."""
     return [m.weights().beta.float().tolist() for m in memory_modules(model)]
+
+
+@torch.no_grad()
+def set_bandwidth(model: torch.nn.Module, layer: int, head: int, beta: float) -> None:
+    """A test-time intervention: give head ``head`` of layer ``layer`` the bandwidth ``beta``
+    (beta = exp(2 min(10 b, 5)), so 0 < beta <= e^10), the other weights unchanged."""
+    from ..memory import BETA_LOG_CAP, EXP_SCALE
+
+    mems = memory_modules(model)
+    if not 0 <= layer < len(mems):
+        raise ValueError(f"layer {layer}: the model has layers 0..{len(mems) - 1}")
+    mem = mems[layer]
+    if mem.bandwidth_b is None:
+        raise ValueError(f"layer {layer} has an adaptive bandwidth (a v2 option), not one per "
+                         "head; there is no beta to set")
+    if not 0 <= head < mem.n_head:
+        raise ValueError(f"head {head}: the model has heads 0..{mem.n_head - 1}")
+    if not 0 < beta <= math.exp(2 * BETA_LOG_CAP):
+        raise ValueError(f"beta {beta} is out of range: 0 < beta <= e^10 = "
+                         f"{math.exp(2 * BETA_LOG_CAP):.0f}")
+    mem.bandwidth_b[head] = math.log(beta) / (2 * EXP_SCALE)
 
 
 @torch.no_grad()
