@@ -30,7 +30,7 @@ from . import tasks
 
 
 def memory_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The contextual memories of a Memory Mosaics model, one per layer, in order."""
+    """The contextual memories of a Memory Mosaics model in order (one per layer in v1)."""
     from ..memory import ContextualMemory
 
     found = [m for m in model.modules() if isinstance(m, ContextualMemory)]
