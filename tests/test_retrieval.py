@@ -153,6 +153,10 @@ def test_the_command_names_what_is_wrong(tmp_path, capsys):
         main(["retrieval", "--model", str(d), "--lengths", "64", "--samples", "1",
               "--device", "cpu"])
     assert "no score normalizer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["retrieval", "--model", str(d), "--task", "sort", "--lengths", "64",
+              "--device", "cpu"])
+    assert "vocab_size 263, but sort uses 36" in capsys.readouterr().err
 
 
 def test_a_set_bandwidth_changes_that_head_only():

@@ -468,7 +468,7 @@ def retrieval_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> i
 
     device = args.device or default_device()
     changes = dict(args.config_changes)
-    seeds = args.seed * len(args.model) if len(args.seed) == 1 else args.seed
+    seeds = args.seed * n if len(args.seed) == 1 else args.seed
     set_beta = "".join(f", beta {layer}.{head}={beta:g}" for layer, head, beta in args.bandwidth)
     labels = args.labels or [models.saved_label(d, changes) + set_beta for d in args.model]
     if len(set(labels)) != len(labels):
@@ -477,13 +477,14 @@ def retrieval_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> i
     for d, label, seed in zip(args.model, labels, seeds):
         try:
             model = models.load_model(d, device, changes)
+            experiments.check_vocab(model, tasks.TASKS[args.task].vocab_size, d, args.task)
             for layer, head, beta in args.bandwidth:
                 retrieval.set_bandwidth(model, layer, head, beta)
             profiles[label] = {
-                n: retrieval.retrieval_profile(
-                    model, args.task, tasks.fixed_set(args.task, args.samples, n, seed + 1000),
-                    device)
-                for n in sorted(args.lengths)}
+                length: retrieval.retrieval_profile(
+                    model, args.task,
+                    tasks.fixed_set(args.task, args.samples, length, seed + 1000), device)
+                for length in sorted(args.lengths)}
         except ValueError as err:
             p.error(f"--model {d}: {err}")
     table = retrieval.retrieval_table(profiles)

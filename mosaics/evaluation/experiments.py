@@ -227,7 +227,8 @@ def train_summary(result: TrainResult) -> dict[str, Any]:
             "history": result.history}
 
 
-def _check_vocab(model: torch.nn.Module, expected: int, path: str | Path, task: str) -> None:
+def check_vocab(model: torch.nn.Module, expected: int, path: str | Path, task: str) -> None:
+    """Refuse a saved model whose vocabulary is not the task's."""
     got = model.config.vocab_size
     if got != expected:
         raise ValueError(f"model {path} has vocab_size {got}, but {task} uses {expected} tokens; "
@@ -267,7 +268,7 @@ def run_regbench(arch: str, kernel: str | None, size: int | None, proto: RegBenc
                                "baselines": regbench.baseline_scores(data.test), "runs": []}
     if model_dir:
         model = load_model(model_dir, device, config_changes)
-        _check_vocab(model, regbench.VOCAB_SIZE, model_dir, "RegBench")
+        check_vocab(model, regbench.VOCAB_SIZE, model_dir, "RegBench")
         score = regbench.evaluate_model(model, data.test, proto.batch_size, device, progress)
         results["runs"].append({**_saved_run(model_dir, config_changes), "size": None,
                                 "params": count_parameters(model), **score})
@@ -411,7 +412,7 @@ def run_extrapolation(task: str, arch: str, kernel: str | None, proto: Extrapola
 
     if model_dir:
         model = load_model(model_dir, device, config_changes)
-        _check_vocab(model, spec.vocab_size, model_dir, task)
+        check_vocab(model, spec.vocab_size, model_dir, task)
         run = _saved_run(model_dir, config_changes)
         results["runs"].append({**run, "params": count_parameters(model),
                                 **evaluate(model, run["label"])})
