@@ -66,15 +66,17 @@ def test_the_weights_refuse_v2_memories_and_feature_kernels():
 def test_mqmtar_rows_point_at_the_block_that_holds_the_answer(length):
     for sample in tasks.fixed_set("mqmtar", 5, length, 3):
         tokens = sample.tokens
-        rows, blocks = retrieval.mqmtar_rows(tokens)
-        assert len(rows) == 2 * tasks.N_QUERIES
+        rows, blocks, entries = retrieval.mqmtar_rows(tokens)
+        assert len(rows) == len(blocks) == len(entries) == 2 * tasks.N_QUERIES
         # the rows predict exactly the scored tokens
         assert sorted(r + 1 for r in rows) == np.flatnonzero(sample.score_mask).tolist()
-        for r, block in zip(rows, blocks):
+        for r, block, entry in zip(rows, blocks, entries):
             k1, k2, kvsep, v1, v2, fill = tokens[block]
             assert (kvsep, fill) == (tasks.KVSEP, tasks.FILL)
             # the token the row predicts is the block's value token at the same place
             assert tokens[r + 1] == (v1 if tokens[r] == tasks.QSEP else v2)
+            # and the answering entry's one-step-ahead value is that token
+            assert entry in block and entry < r and tokens[entry + 1] == tokens[r + 1]
             answer = r if tokens[r] == tasks.QSEP else r - 1  # the answer's QSEP in trg
             query = answer - 3 * tasks.N_QUERIES  # its query's k1 in src
             assert (tokens[query], tokens[query + 1]) == (k1, k2)
@@ -99,19 +101,23 @@ def test_the_profile_averages_the_rows_of_every_layer_and_head():
     samples = tasks.fixed_set("mqmtar", 3, 64, 0)
     profile = retrieval.retrieval_profile(model, "mqmtar", samples)
     mass = np.zeros((2, 4))
+    entry_mass = np.zeros((2, 4))
     support = np.zeros((2, 4))
     n = 0
     for sample in samples:
         ids = torch.from_numpy(sample.tokens).view(1, -1)
         xs, _ = retrieval.memory_inputs(model, ids)
-        rows, blocks = retrieval.mqmtar_rows(sample.tokens)
+        rows, blocks, entries = retrieval.mqmtar_rows(sample.tokens)
         for layer, (mem, x) in enumerate(zip(retrieval.memory_modules(model), xs)):
             w = mem.retrieval_weights(x)[0].numpy()
-            for r, block in zip(rows, blocks):
+            for r, block, entry in zip(rows, blocks, entries):
                 mass[layer] += w[:, r, block].sum(-1)
+                entry_mass[layer] += w[:, r, entry]
                 support[layer] += (w[:, r] > 0).sum(-1)
         n += len(rows)
     np.testing.assert_allclose(profile["block_mass"], mass / n, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(profile["entry_mass"], entry_mass / n, rtol=1e-5, atol=1e-7)
+    assert (np.asarray(profile["entry_mass"]) <= np.asarray(profile["block_mass"]) + 1e-7).all()
     np.testing.assert_allclose(profile["support"], support / n)
     assert 0.0 <= profile["exact_match"] <= 1.0
     assert profile["beta"] == [m.weights().beta.tolist() for m in retrieval.memory_modules(model)]

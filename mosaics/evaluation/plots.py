@@ -87,11 +87,11 @@ def plot_extrapolation(results: dict[str, Any], path: str | Path) -> Path:
 
 
 def plot_retrieval(profiles: dict[str, dict[int, dict[str, Any]]], path: str | Path) -> Path:
-    """Block mass and effective support of each model's retrieval head
+    """Block mass, entry mass and effective support of each model's retrieval head
     (:func:`mosaics.evaluation.retrieval.retrieval_head`) against test length (log2 axes)."""
     from .retrieval import retrieval_head
 
-    metrics = [m for m in ("block_mass", "effective")
+    metrics = [m for m in ("block_mass", "entry_mass", "effective")
                if all(m in p for prof in profiles.values() for p in prof.values())]
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
@@ -107,6 +107,7 @@ def plot_retrieval(profiles: dict[str, dict[int, dict[str, Any]]], path: str | P
             ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("test length")
         ax.set_ylabel({"block_mass": "weight on the answering block",
+                       "entry_mass": "weight on the answering entry",
                        "effective": "effective support (exp entropy)"}[metric])
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)

@@ -10,7 +10,11 @@ For each query row the kernel gives weights w_s over the entries s < t
   over, comparable across kernels);
 - ``block_mass`` (MQMTAR): sum of w_s over the six entries of the key-value block that answers
   the row's query, ``[k1 k2 KVSEP v1 v2 FILL]``; the recall needs the weight there, and how
-  much of it survives a longer context is what length extrapolation measures.
+  much of it survives a longer context is what length extrapolation measures;
+- ``entry_mass`` (MQMTAR): w_s on the one entry of that block whose value holds the answer.
+  Values look one step ahead, v_s = unit((1 - c) v~_{s+1} + c v~_s), so the row that predicts
+  v1 needs the entry at KVSEP and the row that predicts v2 the entry at v1. Block mass counts
+  the weight on the right block, entry mass only the weight on the right entry of it.
 
 Rows: MQMTAR's 8 value tokens (the rows at the trg ``QSEP`` and ``v1`` of each answer); Sort's
 sorted tokens. The head that retrieves is the one with the most block mass at the shortest
@@ -82,15 +86,17 @@ def memory_inputs(model: torch.nn.Module, input_ids: Tensor) -> tuple[list[Tenso
     return inputs, logits
 
 
-def mqmtar_rows(tokens: np.ndarray) -> tuple[list[int], list[list[int]]]:
+def mqmtar_rows(tokens: np.ndarray) -> tuple[list[int], list[list[int]], list[int]]:
     """The query rows of an MQMTAR sequence and, for each, the positions of the key-value block
-    that answers it: answer i ``[QSEP v1 v2]`` sits after SEP, its rows are the positions that
-    predict v1 and v2, and its block is the one whose key is that of query i."""
+    that answers it and the answering entry: answer i ``[QSEP v1 v2]`` sits after SEP, its rows
+    are the positions that predict v1 and v2, its block is the one whose key is that of query
+    i, and its entries are the block's KVSEP and v1 (their one-step-ahead values are v1, v2)."""
     spec = tasks.MQMTAR
     tokens = np.asarray(tokens)
     sep = int(np.flatnonzero(tokens == spec.sep)[0])
     rows: list[int] = []
     blocks: list[list[int]] = []
+    entries: list[int] = []
     first_query = sep - 3 * tasks.N_QUERIES
     for i in range(tasks.N_QUERIES):
         k1, k2 = tokens[first_query + 3 * i + 1], tokens[first_query + 3 * i + 2]
@@ -103,7 +109,8 @@ def mqmtar_rows(tokens: np.ndarray) -> tuple[list[int], list[list[int]]]:
         answer = sep + 1 + 3 * i  # the trg QSEP: predicts v1; then v1 predicts v2
         rows += [answer, answer + 1]
         blocks += [block, block]
-    return rows, blocks
+        entries += [block[2], block[3]]
+    return rows, blocks, entries
 
 
 def row_statistics(w: Tensor) -> dict[str, Tensor]:
@@ -120,8 +127,8 @@ def row_statistics(w: Tensor) -> dict[str, Tensor]:
 def retrieval_profile(model: torch.nn.Module, task: str, samples: list[tasks.Sample],
                       device: str | torch.device = "cpu") -> dict[str, list[list[float]]]:
     """Means over the samples' query rows, per layer and head ([layer][head]): ``support``,
-    ``effective`` and (MQMTAR) ``block_mass``; ``exact_match`` over the samples and the
-    heads' bandwidths ``beta`` as well."""
+    ``effective`` and (MQMTAR) ``block_mass`` and ``entry_mass``; ``exact_match`` over the
+    samples and the heads' bandwidths ``beta`` as well."""
     model.eval()
     mems = memory_modules(model)
     sums: dict[str, Tensor] = {}
@@ -129,9 +136,9 @@ def retrieval_profile(model: torch.nn.Module, task: str, samples: list[tasks.Sam
     for sample in samples:
         ids = torch.from_numpy(sample.tokens).view(1, -1).to(device)
         if task == "mqmtar":
-            rows, blocks = mqmtar_rows(sample.tokens)
+            rows, blocks, entries = mqmtar_rows(sample.tokens)
         else:  # the rows that predict the scored tokens
-            rows, blocks = (np.flatnonzero(sample.score_mask) - 1).tolist(), None
+            rows, blocks, entries = (np.flatnonzero(sample.score_mask) - 1).tolist(), None, None
         xs, logits = memory_inputs(model, ids)
         mask = torch.from_numpy(sample.score_mask).view(1, -1).to(device)
         hits += int(tasks.exact_match(logits, ids, mask).sum())
@@ -144,6 +151,7 @@ def retrieval_profile(model: torch.nn.Module, task: str, samples: list[tasks.Sam
                 for r, block in enumerate(blocks):
                     on_block[r, block] = True
                 stats["block_mass"] = (w * on_block).sum(-1)
+                stats["entry_mass"] = w[:, torch.arange(len(rows)), torch.tensor(entries)]
             for key, value in stats.items():
                 total = value.sum(-1).double().cpu()
                 sums.setdefault(key, torch.zeros(len(mems), w.shape[0], dtype=torch.float64))
@@ -169,16 +177,17 @@ def retrieval_head(profile: dict[str, Any]) -> tuple[int, int]:
 def retrieval_table(profiles: dict[str, dict[int, dict[str, Any]]]) -> str:
     """Markdown: per model and length, the retrieval head (found at the model's shortest
     length) with its block mass, support and effective support, and the exact match."""
-    lines = ["| model | length | exact match | head (layer.head) | beta | block mass | support | "
-             "effective support |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | length | exact match | head (layer.head) | beta | block mass | entry mass "
+             "| support | effective support |", "|---|---|---|---|---|---|---|---|---|"]
     for label, by_length in profiles.items():
         first = by_length[min(by_length)]
         layer, head = retrieval_head(first)
         for length in sorted(by_length):
             p = by_length[length]
             mass = f"{p['block_mass'][layer][head]:.3f}" if "block_mass" in p else "-"
+            entry = f"{p['entry_mass'][layer][head]:.3f}" if "entry_mass" in p else "-"
             beta = f"{p['beta'][layer][head]:.0f}" if "beta" in p else "-"
             lines.append(f"| {label} | {length} | {p['exact_match']:.2f} | {layer}.{head} | "
-                         f"{beta} | {mass} | {p['support'][layer][head]:.1f} | "
+                         f"{beta} | {mass} | {entry} | {p['support'][layer][head]:.1f} | "
                          f"{p['effective'][layer][head]:.1f} |")
     return "\n".join(lines)
