@@ -102,6 +102,7 @@ def test_the_profile_averages_the_rows_of_every_layer_and_head():
     profile = retrieval.retrieval_profile(model, "mqmtar", samples)
     mass = np.zeros((2, 4))
     entry_mass = np.zeros((2, 4))
+    by_kind = np.zeros((2, 2, 4))  # rows that predict v1, v2
     support = np.zeros((2, 4))
     n = 0
     for sample in samples:
@@ -113,11 +114,16 @@ def test_the_profile_averages_the_rows_of_every_layer_and_head():
             for r, block, entry in zip(rows, blocks, entries):
                 mass[layer] += w[:, r, block].sum(-1)
                 entry_mass[layer] += w[:, r, entry]
+                by_kind[int(sample.tokens[r] != tasks.QSEP), layer] += w[:, r, entry]
                 support[layer] += (w[:, r] > 0).sum(-1)
         n += len(rows)
     np.testing.assert_allclose(profile["block_mass"], mass / n, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(profile["entry_mass"], entry_mass / n, rtol=1e-5, atol=1e-7)
     assert (np.asarray(profile["entry_mass"]) <= np.asarray(profile["block_mass"]) + 1e-7).all()
+    for kind, key in enumerate(("v1_entry_mass", "v2_entry_mass")):  # half the rows each
+        np.testing.assert_allclose(profile[key], by_kind[kind] / (n / 2), rtol=1e-5, atol=1e-7)
+        layer, head = retrieval.retrieval_head(profile, key)
+        assert profile[key][layer][head] == np.max(profile[key])
     np.testing.assert_allclose(profile["support"], support / n)
     assert 0.0 <= profile["exact_match"] <= 1.0
     assert profile["beta"] == [m.weights().beta.tolist() for m in retrieval.memory_modules(model)]
@@ -133,6 +139,9 @@ def test_the_command_writes_a_table_per_model_and_length(tmp_path, capsys):
                  "--device", "cpu", "--out", str(tmp_path / "out")]) == 0
     table = capsys.readouterr().out
     assert "| tiny | 64 |" in table and "| again | 128 |" in table
+    lines = [line for line in table.splitlines() if line.startswith("| ")]
+    assert "entry mass" in lines[0] and "v1 rows: head, entry mass" in lines[0]
+    assert len(lines) == 1 + 4 and all(line.count("|") == 12 for line in lines)
     saved = json.loads((tmp_path / "out" / "retrieval.json").read_text())
     assert set(saved["profiles"]["tiny"]) == {"64", "128"}
     assert saved["seeds"] == {"tiny": 0, "again": 5}

@@ -87,16 +87,19 @@ def plot_extrapolation(results: dict[str, Any], path: str | Path) -> Path:
 
 
 def plot_retrieval(profiles: dict[str, dict[int, dict[str, Any]]], path: str | Path) -> Path:
-    """Block mass, entry mass and effective support of each model's retrieval head
-    (:func:`mosaics.evaluation.retrieval.retrieval_head`) against test length (log2 axes)."""
+    """Block mass and effective support of each model's retrieval head
+    (:func:`mosaics.evaluation.retrieval.retrieval_head`), and the entry mass on the rows that
+    predict v1 of the head with the most of it, against test length (log2 axes)."""
     from .retrieval import retrieval_head
 
-    metrics = [m for m in ("block_mass", "entry_mass", "effective")
+    metrics = [m for m in ("block_mass", "v1_entry_mass", "effective")
                if all(m in p for prof in profiles.values() for p in prof.values())]
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
         for label, by_length in profiles.items():
-            layer, head = retrieval_head(by_length[min(by_length)])
+            layer, head = retrieval_head(by_length[min(by_length)],
+                                         "v1_entry_mass" if metric == "v1_entry_mass" else
+                                         "block_mass")
             lengths = sorted(by_length)
             ax.plot(lengths, [by_length[n][metric][layer][head] for n in lengths], marker="o",
                     label=f"{label} ({layer}.{head})")
@@ -107,10 +110,10 @@ def plot_retrieval(profiles: dict[str, dict[int, dict[str, Any]]], path: str | P
             ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("test length")
         ax.set_ylabel({"block_mass": "weight on the answering block",
-                       "entry_mass": "weight on the answering entry",
+                       "v1_entry_mass": "v1 rows: weight on the answering entry",
                        "effective": "effective support (exp entropy)"}[metric])
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+        ax.legend(fontsize=6)  # (layer.head) differs between panels
     fig.suptitle("retrieval head by test length")
     return _save(fig, path)
 

@@ -127,12 +127,15 @@ def row_statistics(w: Tensor) -> dict[str, Tensor]:
 def retrieval_profile(model: torch.nn.Module, task: str, samples: list[tasks.Sample],
                       device: str | torch.device = "cpu") -> dict[str, list[list[float]]]:
     """Means over the samples' query rows, per layer and head ([layer][head]): ``support``,
-    ``effective`` and (MQMTAR) ``block_mass`` and ``entry_mass``; ``exact_match`` over the
-    samples and the heads' bandwidths ``beta`` as well."""
+    ``effective`` and (MQMTAR) ``block_mass`` and ``entry_mass``, the latter also over the
+    rows that predict v1 (``v1_entry_mass``: the recall proper, the query's key k1 k2 sits
+    11-12 tokens back) and v2 (``v2_entry_mass``: the row's own token, v1, is in the entry's
+    key); ``exact_match`` over the samples and the heads' bandwidths ``beta`` as well."""
     model.eval()
     mems = memory_modules(model)
     sums: dict[str, Tensor] = {}
-    rows_seen = hits = 0
+    counts: dict[str, int] = {}
+    hits = 0
     for sample in samples:
         ids = torch.from_numpy(sample.tokens).view(1, -1).to(device)
         if task == "mqmtar":
@@ -152,21 +155,24 @@ def retrieval_profile(model: torch.nn.Module, task: str, samples: list[tasks.Sam
                     on_block[r, block] = True
                 stats["block_mass"] = (w * on_block).sum(-1)
                 stats["entry_mass"] = w[:, torch.arange(len(rows)), torch.tensor(entries)]
+                stats["v1_entry_mass"] = stats["entry_mass"][:, 0::2]  # rows alternate v1, v2
+                stats["v2_entry_mass"] = stats["entry_mass"][:, 1::2]
             for key, value in stats.items():
-                total = value.sum(-1).double().cpu()
                 sums.setdefault(key, torch.zeros(len(mems), w.shape[0], dtype=torch.float64))
-                sums[key][layer] += total
-        rows_seen += len(rows)
-    out: dict[str, Any] = {k: (v / rows_seen).tolist() for k, v in sums.items()}
+                sums[key][layer] += value.sum(-1).double().cpu()
+                if layer == 0:
+                    counts[key] = counts.get(key, 0) + value.shape[-1]
+    out: dict[str, Any] = {k: (v / counts[k]).tolist() for k, v in sums.items()}
     out["exact_match"] = hits / len(samples)
     out["beta"] = head_bandwidths(model)
     return out
 
 
-def retrieval_head(profile: dict[str, Any]) -> tuple[int, int]:
-    """(layer, head) with the most block mass (MQMTAR), or else the smallest effective support."""
-    if "block_mass" in profile:
-        values = np.asarray(profile["block_mass"])
+def retrieval_head(profile: dict[str, Any], metric: str = "block_mass") -> tuple[int, int]:
+    """(layer, head) with the most ``metric`` (MQMTAR: ``block_mass`` or an entry mass), or
+    else (Sort) the smallest effective support."""
+    if metric in profile:
+        values = np.asarray(profile[metric])
         flat = int(values.argmax())
     else:
         values = np.asarray(profile["effective"])
@@ -176,18 +182,24 @@ def retrieval_head(profile: dict[str, Any]) -> tuple[int, int]:
 
 def retrieval_table(profiles: dict[str, dict[int, dict[str, Any]]]) -> str:
     """Markdown: per model and length, the retrieval head (found at the model's shortest
-    length) with its block mass, support and effective support, and the exact match."""
+    length) with its block mass, entry mass, support and effective support, the exact match,
+    and (MQMTAR) the heads with the most entry mass on the v1 rows and on the v2 rows."""
     lines = ["| model | length | exact match | head (layer.head) | beta | block mass | entry mass "
-             "| support | effective support |", "|---|---|---|---|---|---|---|---|---|"]
+             "| support | effective support | v1 rows: head, entry mass | v2 rows: head, "
+             "entry mass |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, by_length in profiles.items():
         first = by_length[min(by_length)]
         layer, head = retrieval_head(first)
+        by_kind = {k: retrieval_head(first, k) for k in ("v1_entry_mass", "v2_entry_mass")
+                   if k in first}
         for length in sorted(by_length):
             p = by_length[length]
             mass = f"{p['block_mass'][layer][head]:.3f}" if "block_mass" in p else "-"
             entry = f"{p['entry_mass'][layer][head]:.3f}" if "entry_mass" in p else "-"
             beta = f"{p['beta'][layer][head]:.0f}" if "beta" in p else "-"
+            kinds = [f"{lh[0]}.{lh[1]}, {p[k][lh[0]][lh[1]]:.3f}" if k in p else "-"
+                     for k, lh in by_kind.items()] or ["-", "-"]
             lines.append(f"| {label} | {length} | {p['exact_match']:.2f} | {layer}.{head} | "
                          f"{beta} | {mass} | {entry} | {p['support'][layer][head]:.1f} | "
-                         f"{p['effective'][layer][head]:.1f} |")
+                         f"{p['effective'][layer][head]:.1f} | {kinds[0]} | {kinds[1]} |")
     return "\n".join(lines)
