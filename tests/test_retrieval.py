@@ -66,20 +66,45 @@ def test_the_weights_refuse_v2_memories_and_feature_kernels():
 def test_mqmtar_rows_point_at_the_block_that_holds_the_answer(length):
     for sample in tasks.fixed_set("mqmtar", 5, length, 3):
         tokens = sample.tokens
-        rows, blocks, entries = retrieval.mqmtar_rows(tokens)
-        assert len(rows) == len(blocks) == len(entries) == 2 * tasks.N_QUERIES
+        layout = retrieval.mqmtar_rows(tokens)
+        rows, blocks, targets = layout.rows, layout.blocks, layout.targets
+        assert len(rows) == len(blocks) == len(targets) == 2 * tasks.N_QUERIES
         # the rows predict exactly the scored tokens
         assert sorted(r + 1 for r in rows) == np.flatnonzero(sample.score_mask).tolist()
-        for r, block, entry in zip(rows, blocks, entries):
+        for r, block, target in zip(rows, blocks, targets):
             k1, k2, kvsep, v1, v2, fill = tokens[block]
             assert (kvsep, fill) == (tasks.KVSEP, tasks.FILL)
             # the token the row predicts is the block's value token at the same place
             assert tokens[r + 1] == (v1 if tokens[r] == tasks.QSEP else v2)
-            # and the answering entry's one-step-ahead value is that token
-            assert entry in block and entry < r and tokens[entry + 1] == tokens[r + 1]
+            assert target in block and tokens[target] == tokens[r + 1]
             answer = r if tokens[r] == tasks.QSEP else r - 1  # the answer's QSEP in trg
             query = answer - 3 * tasks.N_QUERIES  # its query's k1 in src
             assert (tokens[query], tokens[query + 1]) == (k1, k2)
+        for i, lookup in enumerate(layout.lookups):  # right after query i's key k1 k2
+            block = blocks[2 * i]
+            assert tuple(tokens[lookup - 2:lookup]) == tuple(tokens[block[:2]])
+            assert tokens[lookup] in (tasks.QSEP, tasks.MQMTAR.sep) and lookup > block[-1]
+            assert rows[2 * i] - lookup == 10  # the copy reaches 10 positions back
+
+
+def test_the_carrier_entry_holds_the_target_token_in_its_value():
+    """Values mix an entry's own token with the next (c): the carrier of position p is the
+    entry whose value is nearest v~_p, p - 1 for c <= 1/2 and p for c > 1/2."""
+    mem = tiny().model.blocks[0].cmem
+    with torch.no_grad():
+        mem.lookahead_c.copy_(torch.tensor([0.0, 0.3, 0.7, 1.05]))
+    own = retrieval.own_token_heads(mem)
+    assert own.tolist() == [False, False, True, True]
+    # orthonormal raw values: an entry's similarity to v~_p is the share of p in it
+    v_raw = torch.linalg.qr(torch.randn(4, 16, 12)).Q.transpose(1, 2).unsqueeze(0)  # (1,H,12,16)
+    values = lookahead_values(v_raw, mem.weights().mix.detach(), eps=NORM_EPS)
+    targets = torch.tensor([3, 7, 10])  # not the last entry, whose next token is missing
+    entries = retrieval.carrier_entries(targets, own)  # (H, n)
+    assert entries.tolist() == [[2, 6, 9], [2, 6, 9], [3, 7, 10], [3, 7, 10]]
+    for h in range(4):
+        for j, p in enumerate(targets.tolist()):
+            similarity = values[0, h] @ v_raw[0, h, p]  # every entry's value against v~_p
+            assert int(similarity[:p + 1].argmax()) == int(entries[h, j])
 
 
 def test_row_statistics_count_and_spread():
@@ -96,39 +121,51 @@ def test_row_statistics_count_and_spread():
 
 
 def test_the_profile_averages_the_rows_of_every_layer_and_head():
-    """retrieval_profile against a slow loop over samples, rows and blocks on the full maps."""
+    """retrieval_profile against a slow loop over samples, rows and heads on the full maps."""
     model = tiny("epanechnikov", vocab=263, n_layer=2)
+    mems = retrieval.memory_modules(model)
+    with torch.no_grad():  # two look-ahead heads and two own-token heads in each layer
+        for mem in mems:
+            mem.lookahead_c.copy_(torch.tensor([0.2, 0.9, 0.4, 0.6]))
     samples = tasks.fixed_set("mqmtar", 3, 64, 0)
     profile = retrieval.retrieval_profile(model, "mqmtar", samples)
-    mass = np.zeros((2, 4))
-    entry_mass = np.zeros((2, 4))
-    by_kind = np.zeros((2, 2, 4))  # rows that predict v1, v2
-    support = np.zeros((2, 4))
-    n = 0
+    keys = ("block_mass", "entry_mass", "direct_mass", "second_mass", "lookup_mass",
+            "copy_mass", "support")
+    slow = {k: np.zeros((2, 4)) for k in keys}
+    right = np.zeros(2)
     for sample in samples:
-        ids = torch.from_numpy(sample.tokens).view(1, -1)
-        xs, _ = retrieval.memory_inputs(model, ids)
-        rows, blocks, entries = retrieval.mqmtar_rows(sample.tokens)
-        for layer, (mem, x) in enumerate(zip(retrieval.memory_modules(model), xs)):
+        tokens = sample.tokens
+        ids = torch.from_numpy(tokens).view(1, -1)
+        xs, logits = retrieval.memory_inputs(model, ids)
+        layout = retrieval.mqmtar_rows(tokens)
+        for j, r in enumerate(layout.rows):
+            right[j % 2] += int(logits[0, r].argmax()) == tokens[r + 1]
+        for layer, (mem, x) in enumerate(zip(mems, xs)):
             w = mem.retrieval_weights(x)[0].numpy()
-            for r, block, entry in zip(rows, blocks, entries):
-                mass[layer] += w[:, r, block].sum(-1)
-                entry_mass[layer] += w[:, r, entry]
-                by_kind[int(sample.tokens[r] != tasks.QSEP), layer] += w[:, r, entry]
-                support[layer] += (w[:, r] > 0).sum(-1)
-        n += len(rows)
-    np.testing.assert_allclose(profile["block_mass"], mass / n, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(profile["entry_mass"], entry_mass / n, rtol=1e-5, atol=1e-7)
+            for h in range(4):
+                shift = 0 if h in (0, 2) else 1  # the carrier of position p: p - 1 or p
+                for j, (r, block, p) in enumerate(zip(layout.rows, layout.blocks,
+                                                      layout.targets)):
+                    slow["block_mass"][layer, h] += w[h, r, block].sum()
+                    slow["entry_mass"][layer, h] += w[h, r, p - 1 + shift]
+                    slow["direct_mass" if j % 2 == 0 else "second_mass"][layer, h] += (
+                        w[h, r, p - 1 + shift])
+                    slow["support"][layer, h] += (w[h, r] > 0).sum()
+                for i, lookup in enumerate(layout.lookups):
+                    v1 = layout.targets[2 * i]
+                    slow["lookup_mass"][layer, h] += w[h, lookup, v1 - 1 + shift]
+                    slow["copy_mass"][layer, h] += w[h, layout.rows[2 * i], lookup - 1 + shift]
+    n = 8 * len(samples)
+    for key in keys:
+        per_row = n if key in ("block_mass", "entry_mass", "support") else n / 2
+        np.testing.assert_allclose(profile[key], slow[key] / per_row, rtol=1e-5, atol=1e-7)
     assert (np.asarray(profile["entry_mass"]) <= np.asarray(profile["block_mass"]) + 1e-7).all()
-    for kind, key in enumerate(("v1_entry_mass", "v2_entry_mass")):  # half the rows each
-        np.testing.assert_allclose(profile[key], by_kind[kind] / (n / 2), rtol=1e-5, atol=1e-7)
+    assert [profile["v1_accuracy"], profile["v2_accuracy"]] == (right / (n / 2)).tolist()
+    assert 0.0 <= profile["exact_match"] <= 1.0
+    assert profile["beta"] == [m.weights().beta.tolist() for m in mems]
+    for key in ("block_mass", "direct_mass", "copy_mass"):
         layer, head = retrieval.retrieval_head(profile, key)
         assert profile[key][layer][head] == np.max(profile[key])
-    np.testing.assert_allclose(profile["support"], support / n)
-    assert 0.0 <= profile["exact_match"] <= 1.0
-    assert profile["beta"] == [m.weights().beta.tolist() for m in retrieval.memory_modules(model)]
-    layer, head = retrieval.retrieval_head(profile)
-    assert profile["block_mass"][layer][head] == np.max(profile["block_mass"])
 
 
 def test_the_command_writes_a_table_per_model_and_length(tmp_path, capsys):
@@ -139,9 +176,10 @@ def test_the_command_writes_a_table_per_model_and_length(tmp_path, capsys):
                  "--device", "cpu", "--out", str(tmp_path / "out")]) == 0
     table = capsys.readouterr().out
     assert "| tiny | 64 |" in table and "| again | 128 |" in table
-    lines = [line for line in table.splitlines() if line.startswith("| ")]
-    assert "entry mass" in lines[0] and "v1 rows: head, entry mass" in lines[0]
-    assert len(lines) == 1 + 4 and all(line.count("|") == 12 for line in lines)
+    heads = [line for line in table.splitlines() if line.startswith("| ")]
+    assert "entry mass" in heads[0] and "| direct | lookup | copy | second |" in heads[5]
+    # two tables: the retrieval head's, then the paths', each a header and 2 x 2 rows
+    assert len(heads) == 10 and [h.count("|") for h in heads] == [10] * 5 + [9] * 5
     saved = json.loads((tmp_path / "out" / "retrieval.json").read_text())
     assert set(saved["profiles"]["tiny"]) == {"64", "128"}
     assert saved["seeds"] == {"tiny": 0, "again": 5}

@@ -488,6 +488,10 @@ def retrieval_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> i
         except ValueError as err:
             p.error(f"--model {d}: {err}")
     table = retrieval.retrieval_table(profiles)
+    paths = retrieval.paths_table(profiles)
+    if paths:  # MQMTAR
+        table += ("\n\nThe recall's paths (the best head of each at the shortest length):\n\n"
+                  + paths)
     print(table)
     if args.out:
         experiments.write_json(args.out / "retrieval.json",

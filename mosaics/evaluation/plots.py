@@ -69,7 +69,7 @@ def plot_extrapolation(results: dict[str, Any], path: str | Path) -> Path:
     (mean ± std over the runs that share a label, e.g. seeds)."""
     metrics = [m for m in ("exact_match", "token_accuracy")
                if any(r.get(m) for r in results["runs"])]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
         for label in dict.fromkeys(r["label"] for r in results["runs"]):
             points = [(int(k), v) for r in results["runs"] if r["label"] == label
@@ -88,18 +88,17 @@ def plot_extrapolation(results: dict[str, Any], path: str | Path) -> Path:
 
 def plot_retrieval(profiles: dict[str, dict[int, dict[str, Any]]], path: str | Path) -> Path:
     """Block mass and effective support of each model's retrieval head
-    (:func:`mosaics.evaluation.retrieval.retrieval_head`), and the entry mass on the rows that
-    predict v1 of the head with the most of it, against test length (log2 axes)."""
+    (:func:`mosaics.evaluation.retrieval.retrieval_head`), and the entry mass of the direct and
+    the second path (each its own best head), against test length (log2 axes)."""
     from .retrieval import retrieval_head
 
-    metrics = [m for m in ("block_mass", "v1_entry_mass", "effective")
+    metrics = [m for m in ("block_mass", "direct_mass", "second_mass", "effective")
                if all(m in p for prof in profiles.values() for p in prof.values())]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
         for label, by_length in profiles.items():
             layer, head = retrieval_head(by_length[min(by_length)],
-                                         "v1_entry_mass" if metric == "v1_entry_mass" else
-                                         "block_mass")
+                                         "block_mass" if metric == "effective" else metric)
             lengths = sorted(by_length)
             ax.plot(lengths, [by_length[n][metric][layer][head] for n in lengths], marker="o",
                     label=f"{label} ({layer}.{head})")
@@ -110,7 +109,8 @@ def plot_retrieval(profiles: dict[str, dict[int, dict[str, Any]]], path: str | P
             ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("test length")
         ax.set_ylabel({"block_mass": "weight on the answering block",
-                       "v1_entry_mass": "v1 rows: weight on the answering entry",
+                       "direct_mass": "v1 rows: weight on the entry with v1",
+                       "second_mass": "v2 rows: weight on the entry with v2",
                        "effective": "effective support (exp entropy)"}[metric])
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)  # (layer.head) differs between panels

@@ -11,20 +11,32 @@ For each query row the kernel gives weights w_s over the entries s < t
 - ``block_mass`` (MQMTAR): sum of w_s over the six entries of the key-value block that answers
   the row's query, ``[k1 k2 KVSEP v1 v2 FILL]``; the recall needs the weight there, and how
   much of it survives a longer context is what length extrapolation measures;
-- ``entry_mass`` (MQMTAR): w_s on the one entry of that block whose value holds the answer.
-  Values look one step ahead, v_s = unit((1 - c) v~_{s+1} + c v~_s), so the row that predicts
-  v1 needs the entry at KVSEP and the row that predicts v2 the entry at v1. Block mass counts
-  the weight on the right block, entry mass only the weight on the right entry of it.
+- ``entry_mass`` (MQMTAR): w_s on the one entry whose value carries the token the row
+  predicts. Values mix an entry's own token with the next one, v_s = unit((1 - c) v~_{s+1} +
+  c v~_s), so a head with c <= 1/2 (look-ahead) finds token p in entry p - 1 and a head with
+  c > 1/2 (own token) in entry p (:func:`carrier_entries`).
+
+MQMTAR's recall can take two paths, and the profile measures each (``*_mass``, the entry mass
+of that step):
+
+- ``direct``: the row that predicts v1 (the answer's ``QSEP``) finds v1 in the block itself;
+  its key must hold the query's k1 k2, 11-12 tokens back;
+- ``lookup`` then ``copy``: the row right after the query's key (the next query's ``QSEP``, or
+  ``SEP``) finds v1 in the block while k1 k2 are its last tokens, and the answer's row copies
+  that row's token, a fixed 10 positions back;
+- ``second``: the row that predicts v2 (the answer's v1) finds v2 in the block; its own token
+  v1 is in the key of the entry it needs, but so is every other v1 of the context.
 
 Rows: MQMTAR's 8 value tokens (the rows at the trg ``QSEP`` and ``v1`` of each answer); Sort's
 sorted tokens. The head that retrieves is the one with the most block mass at the shortest
-length; :func:`retrieval_table` follows it to the longer lengths.
+length; :func:`retrieval_table` follows it to the longer lengths, and :func:`paths_table`
+the best head of each path.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -86,17 +98,26 @@ def memory_inputs(model: torch.nn.Module, input_ids: Tensor) -> tuple[list[Tenso
     return inputs, logits
 
 
-def mqmtar_rows(tokens: np.ndarray) -> tuple[list[int], list[list[int]], list[int]]:
-    """The query rows of an MQMTAR sequence and, for each, the positions of the key-value block
-    that answers it and the answering entry: answer i ``[QSEP v1 v2]`` sits after SEP, its rows
-    are the positions that predict v1 and v2, its block is the one whose key is that of query
-    i, and its entries are the block's KVSEP and v1 (their one-step-ahead values are v1, v2)."""
+class MQMTARLayout(NamedTuple):
+    """Where one MQMTAR sequence's recall happens. Per value row (v1 and v2 rows alternate):
+    ``rows`` the position that predicts the value, ``blocks`` the answering block's six
+    positions, ``targets`` the position in the block of the token the row predicts. Per
+    query: ``lookups`` the row right after the query's key (the next query's QSEP, or SEP)."""
+
+    rows: list[int]
+    blocks: list[list[int]]
+    targets: list[int]
+    lookups: list[int]
+
+
+def mqmtar_rows(tokens: np.ndarray) -> MQMTARLayout:
+    """The value rows of an MQMTAR sequence and where their answers sit: answer i ``[QSEP v1
+    v2]`` sits after SEP, its rows are the positions that predict v1 and v2, its block is the
+    one whose key is that of query i, and its targets are the block's v1 and v2."""
     spec = tasks.MQMTAR
     tokens = np.asarray(tokens)
     sep = int(np.flatnonzero(tokens == spec.sep)[0])
-    rows: list[int] = []
-    blocks: list[list[int]] = []
-    entries: list[int] = []
+    out = MQMTARLayout([], [], [], [])
     first_query = sep - 3 * tasks.N_QUERIES
     for i in range(tasks.N_QUERIES):
         k1, k2 = tokens[first_query + 3 * i + 1], tokens[first_query + 3 * i + 2]
@@ -107,10 +128,22 @@ def mqmtar_rows(tokens: np.ndarray) -> tuple[list[int], list[list[int]], list[in
                              "MQMTAR sequence")
         block = list(range(int(hits[0]), int(hits[0]) + 6))
         answer = sep + 1 + 3 * i  # the trg QSEP: predicts v1; then v1 predicts v2
-        rows += [answer, answer + 1]
-        blocks += [block, block]
-        entries += [block[2], block[3]]
-    return rows, blocks, entries
+        out.rows.extend([answer, answer + 1])
+        out.blocks.extend([block, block])
+        out.targets.extend([block[3], block[4]])
+        out.lookups.append(first_query + 3 * i + 3)
+    return out
+
+
+def own_token_heads(mem: torch.nn.Module) -> Tensor:
+    """(H,) bool: the heads whose values carry mostly the entry's own token (c > 1/2)."""
+    return mem.weights().mix.detach().float().view(-1) > 0.5
+
+
+def carrier_entries(targets: Tensor, own: Tensor) -> Tensor:
+    """The entry whose value carries each target position, per head: targets (n,), own (H,)
+    -> (H, n): p - 1 for a look-ahead head, p for an own-token head."""
+    return targets.view(1, -1) - 1 + own.view(-1, 1).long()
 
 
 def row_statistics(w: Tensor) -> dict[str, Tensor]:
@@ -123,40 +156,66 @@ def row_statistics(w: Tensor) -> dict[str, Tensor]:
     return {"support": (w > 0).sum(-1).float(), "effective": effective}
 
 
+def _path_masses(w: Tensor, layout: MQMTARLayout, own: Tensor) -> dict[str, Tensor]:
+    """The MQMTAR masses (H, rows) of one layer's weights w (H, 8 + 4, T) over the value rows
+    then the lookup rows of ``layout``."""
+    n = len(layout.rows)
+    value_w, lookup_w = w[:, :n], w[:, n:]
+    on_block = torch.zeros_like(value_w[0], dtype=torch.bool)
+    for r, block in enumerate(layout.blocks):
+        on_block[r, block] = True
+    device = w.device
+    entry = value_w.gather(-1, carrier_entries(torch.tensor(layout.targets, device=device),
+                                               own).unsqueeze(-1)).squeeze(-1)
+    v1_targets = torch.tensor(layout.targets[0::2], device=device)
+    return {
+        "block_mass": (value_w * on_block).sum(-1),
+        "entry_mass": entry,
+        "direct_mass": entry[:, 0::2],
+        "second_mass": entry[:, 1::2],
+        "lookup_mass": lookup_w.gather(-1, carrier_entries(v1_targets, own).unsqueeze(-1))
+                                 .squeeze(-1),
+        "copy_mass": value_w[:, 0::2].gather(
+            -1, carrier_entries(torch.tensor(layout.lookups, device=device), own)
+            .unsqueeze(-1)).squeeze(-1),
+    }
+
+
 @torch.no_grad()
 def retrieval_profile(model: torch.nn.Module, task: str, samples: list[tasks.Sample],
                       device: str | torch.device = "cpu") -> dict[str, list[list[float]]]:
-    """Means over the samples' query rows, per layer and head ([layer][head]): ``support``,
-    ``effective`` and (MQMTAR) ``block_mass`` and ``entry_mass``, the latter also over the
-    rows that predict v1 (``v1_entry_mass``: the recall proper, the query's key k1 k2 sits
-    11-12 tokens back) and v2 (``v2_entry_mass``: the row's own token, v1, is in the entry's
-    key); ``exact_match`` over the samples and the heads' bandwidths ``beta`` as well."""
+    """Means over the samples' rows, per layer and head ([layer][head]): ``support`` and
+    ``effective`` of the value rows, and (MQMTAR) ``block_mass``, ``entry_mass`` and the masses
+    of each path (``direct_mass``, ``lookup_mass``, ``copy_mass``, ``second_mass``); scalars:
+    ``exact_match`` over the samples and (MQMTAR) the token accuracy of the v1 and v2 rows
+    (``v1_accuracy``, ``v2_accuracy``); the heads' bandwidths ``beta``."""
     model.eval()
     mems = memory_modules(model)
+    own = [own_token_heads(m).to(device) for m in mems]
     sums: dict[str, Tensor] = {}
     counts: dict[str, int] = {}
     hits = 0
+    right = np.zeros(2)
     for sample in samples:
         ids = torch.from_numpy(sample.tokens).view(1, -1).to(device)
-        if task == "mqmtar":
-            rows, blocks, entries = mqmtar_rows(sample.tokens)
-        else:  # the rows that predict the scored tokens
-            rows, blocks, entries = (np.flatnonzero(sample.score_mask) - 1).tolist(), None, None
+        layout = mqmtar_rows(sample.tokens) if task == "mqmtar" else None
+        # the rows that predict the scored tokens (MQMTAR: then the lookup rows)
+        rows = layout.rows + layout.lookups if layout else (
+            np.flatnonzero(sample.score_mask) - 1).tolist()
+        n = len(layout.rows) if layout else len(rows)
         xs, logits = memory_inputs(model, ids)
         mask = torch.from_numpy(sample.score_mask).view(1, -1).to(device)
         hits += int(tasks.exact_match(logits, ids, mask).sum())
+        if layout:
+            predicted = logits[0, layout.rows].argmax(-1).cpu().numpy()
+            correct = predicted == sample.tokens[np.asarray(layout.rows) + 1]
+            right += [correct[0::2].sum(), correct[1::2].sum()]
         index = torch.tensor(rows, device=device)
         for layer, (mem, x) in enumerate(zip(mems, xs)):
-            w = mem.retrieval_weights(x, index)[0]  # (H, n, T)
-            stats = row_statistics(w)
-            if blocks is not None:
-                on_block = torch.zeros_like(w[0], dtype=torch.bool)
-                for r, block in enumerate(blocks):
-                    on_block[r, block] = True
-                stats["block_mass"] = (w * on_block).sum(-1)
-                stats["entry_mass"] = w[:, torch.arange(len(rows)), torch.tensor(entries)]
-                stats["v1_entry_mass"] = stats["entry_mass"][:, 0::2]  # rows alternate v1, v2
-                stats["v2_entry_mass"] = stats["entry_mass"][:, 1::2]
+            w = mem.retrieval_weights(x, index)[0]  # (H, rows, T)
+            stats = row_statistics(w[:, :n])
+            if layout:
+                stats.update(_path_masses(w, layout, own[layer]))
             for key, value in stats.items():
                 sums.setdefault(key, torch.zeros(len(mems), w.shape[0], dtype=torch.float64))
                 sums[key][layer] += value.sum(-1).double().cpu()
@@ -164,6 +223,8 @@ def retrieval_profile(model: torch.nn.Module, task: str, samples: list[tasks.Sam
                     counts[key] = counts.get(key, 0) + value.shape[-1]
     out: dict[str, Any] = {k: (v / counts[k]).tolist() for k, v in sums.items()}
     out["exact_match"] = hits / len(samples)
+    if task == "mqmtar":
+        out["v1_accuracy"], out["v2_accuracy"] = (right / (len(samples) * tasks.N_QUERIES)).tolist()
     out["beta"] = head_bandwidths(model)
     return out
 
@@ -182,24 +243,43 @@ def retrieval_head(profile: dict[str, Any], metric: str = "block_mass") -> tuple
 
 def retrieval_table(profiles: dict[str, dict[int, dict[str, Any]]]) -> str:
     """Markdown: per model and length, the retrieval head (found at the model's shortest
-    length) with its block mass, entry mass, support and effective support, the exact match,
-    and (MQMTAR) the heads with the most entry mass on the v1 rows and on the v2 rows."""
+    length) with its block mass, entry mass, support and effective support, and the exact
+    match."""
     lines = ["| model | length | exact match | head (layer.head) | beta | block mass | entry mass "
-             "| support | effective support | v1 rows: head, entry mass | v2 rows: head, "
-             "entry mass |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| support | effective support |", "|---|---|---|---|---|---|---|---|---|"]
     for label, by_length in profiles.items():
-        first = by_length[min(by_length)]
-        layer, head = retrieval_head(first)
-        by_kind = {k: retrieval_head(first, k) for k in ("v1_entry_mass", "v2_entry_mass")
-                   if k in first}
+        layer, head = retrieval_head(by_length[min(by_length)])
         for length in sorted(by_length):
             p = by_length[length]
             mass = f"{p['block_mass'][layer][head]:.3f}" if "block_mass" in p else "-"
             entry = f"{p['entry_mass'][layer][head]:.3f}" if "entry_mass" in p else "-"
             beta = f"{p['beta'][layer][head]:.0f}" if "beta" in p else "-"
-            kinds = [f"{lh[0]}.{lh[1]}, {p[k][lh[0]][lh[1]]:.3f}" if k in p else "-"
-                     for k, lh in by_kind.items()] or ["-", "-"]
             lines.append(f"| {label} | {length} | {p['exact_match']:.2f} | {layer}.{head} | "
                          f"{beta} | {mass} | {entry} | {p['support'][layer][head]:.1f} | "
-                         f"{p['effective'][layer][head]:.1f} | {kinds[0]} | {kinds[1]} |")
+                         f"{p['effective'][layer][head]:.1f} |")
     return "\n".join(lines)
+
+
+PATHS = ("direct_mass", "lookup_mass", "copy_mass", "second_mass")
+
+
+def paths_table(profiles: dict[str, dict[int, dict[str, Any]]]) -> str:
+    """Markdown (MQMTAR): per model and length, the token accuracy of the v1 and v2 rows and,
+    for each path of the recall, the head with the most entry mass at the model's shortest
+    length and its entry mass; empty when no profile has the paths."""
+    rows = []
+    for label, by_length in profiles.items():
+        first = by_length[min(by_length)]
+        if not all(k in first for k in PATHS):
+            continue
+        heads = [retrieval_head(first, k) for k in PATHS]
+        for length in sorted(by_length):
+            p = by_length[length]
+            cells = [f"{lh[0]}.{lh[1]}: {p[k][lh[0]][lh[1]]:.2f}" for k, lh in zip(PATHS, heads)]
+            rows.append(f"| {label} | {length} | {p['exact_match']:.2f} | "
+                        f"{p['v1_accuracy']:.2f} / {p['v2_accuracy']:.2f} | "
+                        + " | ".join(cells) + " |")
+    if not rows:
+        return ""
+    return "\n".join(["| model | length | exact match | token accuracy v1 / v2 | direct | lookup "
+                      "| copy | second |", "|---|---|---|---|---|---|---|---|", *rows])
