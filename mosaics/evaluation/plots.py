@@ -95,13 +95,14 @@ def plot_retrieval(profiles: dict[str, dict[int, dict[str, Any]]], path: str | P
     metrics = [m for m in ("block_mass", "direct_mass", "second_mass", "effective")
                if all(m in p for prof in profiles.values() for p in prof.values())]
     fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
+    palette = plt.get_cmap("tab10" if len(profiles) <= 10 else "tab20")  # one colour a model
     for ax, metric in zip(axes[0], metrics):
-        for label, by_length in profiles.items():
+        for i, (label, by_length) in enumerate(profiles.items()):
             layer, head = retrieval_head(by_length[min(by_length)],
                                          "block_mass" if metric == "effective" else metric)
             lengths = sorted(by_length)
             ax.plot(lengths, [by_length[n][metric][layer][head] for n in lengths], marker="o",
-                    label=f"{label} ({layer}.{head})")
+                    color=palette(i % palette.N), label=f"{label} ({layer}.{head})")
         ax.set_xscale("log", base=2)
         if metric == "effective":
             ax.set_yscale("log", base=2)
