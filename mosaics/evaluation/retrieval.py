@@ -156,6 +156,13 @@ def row_statistics(w: Tensor) -> dict[str, Tensor]:
     return {"support": (w > 0).sum(-1).float(), "effective": effective}
 
 
+def carried_mass(w: Tensor, targets: list[int], own: Tensor) -> Tensor:
+    """w (H, n, T) of n rows -> (H, n): each row's weight on the entry that carries its target
+    position (:func:`carrier_entries`)."""
+    entries = carrier_entries(torch.tensor(targets, device=w.device), own)
+    return w.gather(-1, entries.unsqueeze(-1)).squeeze(-1)
+
+
 def _path_masses(w: Tensor, layout: MQMTARLayout, own: Tensor) -> dict[str, Tensor]:
     """The MQMTAR masses (H, rows) of one layer's weights w (H, 8 + 4, T) over the value rows
     then the lookup rows of ``layout``."""
@@ -164,20 +171,14 @@ def _path_masses(w: Tensor, layout: MQMTARLayout, own: Tensor) -> dict[str, Tens
     on_block = torch.zeros_like(value_w[0], dtype=torch.bool)
     for r, block in enumerate(layout.blocks):
         on_block[r, block] = True
-    device = w.device
-    entry = value_w.gather(-1, carrier_entries(torch.tensor(layout.targets, device=device),
-                                               own).unsqueeze(-1)).squeeze(-1)
-    v1_targets = torch.tensor(layout.targets[0::2], device=device)
+    entry = carried_mass(value_w, layout.targets, own)
     return {
         "block_mass": (value_w * on_block).sum(-1),
         "entry_mass": entry,
-        "direct_mass": entry[:, 0::2],
-        "second_mass": entry[:, 1::2],
-        "lookup_mass": lookup_w.gather(-1, carrier_entries(v1_targets, own).unsqueeze(-1))
-                                 .squeeze(-1),
-        "copy_mass": value_w[:, 0::2].gather(
-            -1, carrier_entries(torch.tensor(layout.lookups, device=device), own)
-            .unsqueeze(-1)).squeeze(-1),
+        "direct_mass": entry[:, 0::2],  # the rows that predict v1
+        "second_mass": entry[:, 1::2],  # the rows that predict v2
+        "lookup_mass": carried_mass(lookup_w, layout.targets[0::2], own),  # finds v1
+        "copy_mass": carried_mass(value_w[:, 0::2], layout.lookups, own),  # reads the lookup
     }
 
 
