@@ -168,6 +168,33 @@ def test_the_profile_averages_the_rows_of_every_layer_and_head():
         assert profile[key][layer][head] == np.max(profile[key])
 
 
+def test_the_sort_profile_covers_the_sorted_tokens_only(tmp_path, capsys):
+    """Sort has no blocks: support and spread of the rows that predict the sorted tokens,
+    the head with the smallest spread, and no paths table."""
+    model = tiny("triweight", vocab=tasks.TASKS["sort"].vocab_size, n_layer=2)
+    samples = tasks.fixed_set("sort", 2, 32, 0)
+    profile = retrieval.retrieval_profile(model, "sort", samples)
+    assert not any(k.endswith("_mass") or k.endswith("_accuracy") for k in profile)
+    support = np.zeros((2, 4))
+    n = 0
+    for sample in samples:
+        xs, _ = retrieval.memory_inputs(model, torch.from_numpy(sample.tokens).view(1, -1))
+        rows = np.flatnonzero(sample.score_mask) - 1
+        for layer, (mem, x) in enumerate(zip(retrieval.memory_modules(model), xs)):
+            support[layer] += (mem.retrieval_weights(x)[0].numpy()[:, rows] > 0).sum((1, 2))
+        n += len(rows)
+    np.testing.assert_allclose(profile["support"], support / n)
+    layer, head = retrieval.retrieval_head(profile)
+    assert profile["effective"][layer][head] == np.min(profile["effective"])
+    assert retrieval.paths_table({"tiny": {32: profile}}) == ""
+    d = tmp_path / "model"
+    model.save_pretrained(d)
+    assert main(["retrieval", "--model", str(d), "--task", "sort", "--lengths", "32",
+                 "--samples", "2", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "| - | - |" in out and "paths" not in out
+
+
 def test_the_command_writes_a_table_per_model_and_length(tmp_path, capsys):
     d = tmp_path / "model"
     tiny("epanechnikov", vocab=263, n_layer=2).save_pretrained(d)
