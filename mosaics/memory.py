@@ -197,7 +197,8 @@ class ContextualMemory(nn.Module):
         a = decay_rate(self.leaky_p, EXP_SCALE) if self.gated is None else ones
         return ContextualWeights(
             kv=torch.cat([wk, wv]), log_decay=a, decay=torch.exp(-a).view(-1, 1),
-            beta=bandwidth(self.bandwidth_b) if self.adaptive is None else ones,
+            beta=self.kernel.bandwidth(bandwidth(self.bandwidth_b)) if self.adaptive is None
+            else ones,
             mix=self.lookahead_c,
             out=wc * scale)
 
@@ -319,7 +320,8 @@ class ContextualMemory(nn.Module):
             base = state.base
         gap = pos.gap if self.level == "long" and pos is not None else 1
         lo, hi = visible_interval(n, pos, self.window, gap, keys.device)
-        beta = w.beta if self.adaptive is None else self.adaptive((hi - lo + 1).clamp(min=0))
+        beta = w.beta if self.adaptive is None else self.kernel.bandwidth(
+            self.adaptive((hi - lo + 1).clamp(min=0)))
         step = None
         if state is not None and (n == 1 or "run_S" in memory):  # query by query
             step = self._steps(memory, keys, beta, lo, hi, base)

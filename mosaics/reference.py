@@ -86,6 +86,7 @@ def contextual_memory_reference(mem: ContextualMemory, x: Tensor, gap: int = 1,
                             + torch.exp(a.theta0[h].clamp(max=10)))
                 else:
                     beta = bandwidth(mem.bandwidth_b)[h]
+                beta = mem.kernel.bandwidth(beta)
                 scores = torch.stack([keys[t] @ keys[s] for s in seen])
                 if mem.alibi:  # beta cos - m (t - s), in cosine units
                     dist = torch.tensor([t - s for s in seen], dtype=x.dtype)

@@ -158,6 +158,12 @@ class Kernel(nn.Module):
         """
         return None
 
+    def bandwidth(self, beta: Tensor) -> Tensor:
+        """The bandwidth the scores use, given the memory's beta_h = exp(2 min(10 b_h, 5)) ((H,),
+        or one per query with an adaptive bandwidth). The identity unless a kernel option maps
+        beta to another parametrization (e.g. a published code's)."""
+        return beta
+
     def weights(self, cos: Tensor, beta: Tensor, mask: Tensor) -> Tensor:
         """The normalizer as a function of a block of cosines: (B, H, n, S) cosines, (1, H, 1,
         1) bandwidth, bool mask broadcastable to the cosines -> (B, H, n, S) weights of the

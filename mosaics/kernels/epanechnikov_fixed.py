@@ -5,7 +5,16 @@
 On unit keys 1 - cos = |k_t - k_s|^2 / 2, so u is the kernel (1 - |k_t - k_s|^2 / h^2)_+ with
 h^2 = 2 / beta: a memory entry farther than h from the query gets no weight. When every entry is
 that far (empty support, 0/0) the row's output is 0, as for position 0.
-Option (``kernel_kwargs``): ``r`` > 0 (default 1).
+
+Options (``kernel_kwargs``): ``r`` > 0 (default 1); ``parametrization``: "formula" (default,
+the kernel above with the memory's beta) or "published-code", the scores of the normalized
+ReLU in the published code of "Sparse Attention as Compact Kernel Regression"
+(``norm_relu``): keys scaled by sqrt(beta) so that raw = beta c, then u = [raw / (h^2 / 2) +
+1 - 2 / h^2]_+ with 1 / h^2 = beta, i.e. u = [2 beta^2 c + 1 - 2 beta]_+. Normalized, that is
+the kernel above with the bandwidth beta' = 2 beta^2 / (2 beta^2 - 2 beta + 1): its support
+c > 1 - 1 / beta' = (2 beta - 1) / (2 beta^2) never starts above c = 1/2 (beta 1) and widens
+as beta grows (c > 0.13 at the initial beta e^2, where the formula's starts at c > 0.86).
+The code gives an empty row uniform weights over its past; here it stays 0.
 """
 
 from __future__ import annotations
@@ -14,7 +23,9 @@ import torch
 from torch import Tensor
 
 from .base import register_kernel
-from .score_kernel import PowerKernel, check_positive
+from .score_kernel import PowerKernel, check_choice, check_positive
+
+PARAMETRIZATIONS = ("formula", "published-code")
 
 
 def power_normalize_backward(p: Tensor, dp: Tensor, u: Tensor, r: float) -> Tensor:
@@ -31,10 +42,19 @@ class EpanechnikovFixedKernel(PowerKernel):
 
     anchor = 1.0
 
-    def __init__(self, r: float = 1.0) -> None:
+    def __init__(self, r: float = 1.0, parametrization: str = "formula") -> None:
         super().__init__()
         self.r = check_positive(self.name, "r", r)
+        self.parametrization = check_choice(self.name, "parametrization", parametrization,
+                                            PARAMETRIZATIONS)
         self.power = self.r
+
+    def bandwidth(self, beta: Tensor) -> Tensor:
+        """beta, or (published code) 2 beta^2 / (2 beta^2 - 2 beta + 1) (the denominator is
+        >= 1/2 for every beta)."""
+        if self.parametrization == "formula":
+            return beta
+        return 2 * beta.square() / (2 * beta.square() - 2 * beta + 1)
 
     def row_shift(self, x: Tensor, bmax: Tensor | None,
                   buffers: tuple[Tensor, Tensor] | None) -> float:
@@ -50,4 +70,4 @@ class EpanechnikovFixedKernel(PowerKernel):
         return du * beta, (du * (cos - 1.0)).sum_to_size(beta.shape)
 
     def extra_repr(self) -> str:
-        return f"name={self.name!r}, r={self.r:g}"
+        return f"name={self.name!r}, r={self.r:g}, parametrization={self.parametrization!r}"

@@ -5,7 +5,12 @@
 
 The best-matching entry always has u = b > 0, so the support is never empty (unlike the
 fixed-bandwidth ``epanechnikov_fixed``), and the weights are invariant to shifting all scores.
-Options (``kernel_kwargs``): ``r`` > 0 (default 1), ``b`` > 0 (default 1).
+Options (``kernel_kwargs``): ``r`` > 0 (default 1), ``b`` > 0 (default 1), ``parametrization``:
+"formula" (default: the scale is the memory's beta) or "published-code", the scores of
+``relumax`` in the published code of "Sparse Attention as Compact Kernel Regression": keys
+scaled by sqrt(beta), raw = beta c, then u = [(raw - max raw) / h^2 + 1]_+ with 1 / h^2 =
+beta, i.e. the scale is beta^2 (e^4 at the initial beta e^2, up to e^20, where the formula's
+is e^2, up to e^10).
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ import torch
 from torch import Tensor
 
 from .base import register_kernel
-from .epanechnikov_fixed import power_normalize_backward
-from .score_kernel import PowerKernel, check_positive
+from .epanechnikov_fixed import PARAMETRIZATIONS, power_normalize_backward
+from .score_kernel import PowerKernel, check_choice, check_positive
 
 
 @register_kernel("relumax")
@@ -23,11 +28,17 @@ class ReLUMaxKernel(PowerKernel):
     """Max-anchored ReLU weights [b + s - max s]_+^r, normalized over the strict past: u =
     [beta (c - max c) + b]_+ in :class:`PowerKernel` terms (anchor: the row max, shift -b)."""
 
-    def __init__(self, r: float = 1.0, b: float = 1.0) -> None:
+    def __init__(self, r: float = 1.0, b: float = 1.0, parametrization: str = "formula") -> None:
         super().__init__()
         self.r = check_positive(self.name, "r", r)
         self.b = check_positive(self.name, "b", b)
+        self.parametrization = check_choice(self.name, "parametrization", parametrization,
+                                            PARAMETRIZATIONS)
         self.power = self.r
+
+    def bandwidth(self, beta: Tensor) -> Tensor:
+        """beta, or (published code) beta^2."""
+        return beta if self.parametrization == "formula" else beta.square()
 
     def row_shift(self, x: Tensor, bmax: Tensor | None,
                   buffers: tuple[Tensor, Tensor] | None) -> float:
@@ -49,4 +60,5 @@ class ReLUMaxKernel(PowerKernel):
         return du * beta, dbeta
 
     def extra_repr(self) -> str:
-        return f"name={self.name!r}, r={self.r:g}, b={self.b:g}"
+        return (f"name={self.name!r}, r={self.r:g}, b={self.b:g}, "
+                f"parametrization={self.parametrization!r}")

@@ -730,3 +730,11 @@ def check_positive(kernel: str, name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"kernel {kernel!r}: {name} must be a number > 0, got {value!r}")
     return float(value)
+
+
+def check_choice(kernel: str, name: str, value: object, choices: tuple[str, ...]) -> str:
+    """``value`` as one of ``choices``, or a ValueError naming the kernel option."""
+    if value not in choices:
+        raise ValueError(f"kernel {kernel!r}: {name} must be one of {', '.join(choices)}; got "
+                         f"{value!r} (set kernel_kwargs={{'{name}': {choices[0]!r}}})")
+    return str(value)
