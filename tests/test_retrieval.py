@@ -15,7 +15,9 @@ from mosaics.ops import lookahead_values
 
 KERNELS = [("gaussian", {}), ("epanechnikov", {}), ("biweight", {}), ("triweight", {}),
            ("relumax", {}), ("epanechnikov_fixed", {}), ("gaussian_knn", {"k": 4}),
-           ("uniform_knn", {"k": 4})]
+           ("uniform_knn", {"k": 4}),
+           ("epanechnikov_fixed", {"parametrization": "published-code"}),
+           ("relumax", {"parametrization": "published-code"})]
 
 
 def tiny(kernel="gaussian", kernel_kwargs=None, alibi=False, vocab=50, n_layer=1, **extra):
@@ -274,3 +276,56 @@ def test_the_command_applies_a_bandwidth_intervention(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["retrieval", "--model", str(d), "--bandwidth", "3=15"])
     assert "LAYER.HEAD=BETA" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"parametrization": "published-code"}])
+def test_empty_rows_are_the_rows_with_no_entry_inside_the_bandwidth(kwargs):
+    """Fixed bandwidth: row t is empty iff max_{s < t} cos(k_t, k_s) <= 1 - 1 / beta'."""
+    model = tiny("epanechnikov_fixed", kwargs, n_layer=2)
+    with torch.no_grad():  # one wide head and three narrow ones per layer
+        for block in model.model.blocks:
+            block.cmem.bandwidth_b.copy_(torch.tensor([0.0, 0.05, 0.1, 0.2]))
+    ids = torch.randint(0, 50, (3, 30))
+    shares = retrieval.empty_rows(model, ids, first=2)
+    assert len(shares) == 2 and len(shares[0]) == 4
+    inputs, _ = retrieval.memory_inputs(model, ids)
+    for layer, (mem, x) in enumerate(zip(retrieval.memory_modules(model), inputs)):
+        w = mem.weights()
+        k_raw = F.linear(x, w.kv[:32]).view(3, 30, 4, 8).transpose(1, 2)
+        keys = mem.unit_keys(x, k_raw, w)[0].double()
+        edge = 1 - 1 / w.beta.double()
+        for h in range(4):
+            empty = [float(max(keys[b, h, t] @ keys[b, h, s] for s in range(t)) <= edge[h])
+                     for b in range(3) for t in range(2, 30)]
+            assert shares[layer][h] == pytest.approx(np.mean(empty), abs=1e-12)
+    flat = [v for layer in shares for v in layer]
+    assert min(flat) < max(flat)  # the heads differ, so the check is not vacuous
+
+
+def test_the_empty_rows_command_measures_saved_and_fresh_models(tmp_path, capsys):
+    d = tmp_path / "model"
+    tiny("epanechnikov_fixed", vocab=263, n_layer=2).save_pretrained(d)
+    assert main(["empty-rows", "--model", str(d), "--labels", "saved", "--init",
+                 "epanechnikov_fixed", 'epanechnikov_fixed:{"parametrization": '
+                 '"published-code"}', "--init-seed", "0", "1", "--samples", "2",
+                 "--device", "cpu"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| model | empty rows") and len(rows) == 1 + 1 + 4
+    assert rows[1].startswith("| saved |") and rows[1].count("/") == 1  # two layers
+    assert rows[2].startswith("| epanechnikov_fixed s0, init |")
+    assert rows[4].startswith("| epanechnikov_fixed (parametrization=published-code) s0, init")
+    assert rows[5].count("/") == 3  # the cpu-recall preset's model has four layers
+    mean = [float(r.split("|")[2]) for r in rows[2:]]
+    assert min(mean[:2]) > max(mean[2:])  # the published code's scores start wider
+
+
+def test_the_empty_rows_command_names_what_is_wrong(capsys):
+    with pytest.raises(SystemExit):
+        main(["empty-rows"])
+    assert "nothing to measure" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["empty-rows", "--init", "relumax:{r: 2}"])
+    assert "expected KERNEL or KERNEL:{json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["empty-rows", "--init", "relumax", "--preset", "nope"])
+    assert "--preset 'nope': choose from" in capsys.readouterr().err

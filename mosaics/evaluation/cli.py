@@ -504,6 +504,86 @@ def retrieval_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> i
     return 0
 
 
+# --- empty-rows ------------------------------------------------------------------------------
+
+def _empty_rows_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", nargs="+", default=[], metavar="DIR",
+                   help="saved Memory Mosaics task models (v1 memory, a score kernel)")
+    p.add_argument("--labels", nargs="+", metavar="LABEL",
+                   help="a table label per --model (default: the folders)")
+    p.add_argument("--init", nargs="+", type=init_arg, default=[], metavar="KERNEL[:JSON]",
+                   help="fresh models as a job of --preset builds them before its first step, "
+                        "e.g. epanechnikov_fixed or 'relumax:{\"parametrization\": "
+                        "\"published-code\"}'")
+    p.add_argument("--init-seed", nargs="+", type=int, default=[0],
+                   help="the job seeds of the --init models (default 0)")
+    p.add_argument("--preset", default="cpu-recall",
+                   help="the extrapolation preset whose model the --init models are (default "
+                        "cpu-recall)")
+    p.add_argument("--task", choices=["sort", "mqmtar"], default="mqmtar")
+    p.add_argument("--length", type=positive_int, default=64,
+                   help="test length (default 64, the training length)")
+    p.add_argument("--samples", type=positive_int, default=32,
+                   help="test samples (default 32)")
+    p.add_argument("--device", default=None)
+
+
+def init_arg(text: str) -> tuple[str, dict[str, Any]]:
+    """``KERNEL`` or ``KERNEL:{json kwargs}`` -> (kernel, kwargs)."""
+    kernel, sep, kwargs = text.partition(":")
+    try:
+        parsed = json.loads(kwargs) if sep else {}
+        if not isinstance(parsed, dict):
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--init {text!r}: expected KERNEL or KERNEL:{{json "
+                                         "object of kernel_kwargs}}") from None
+    return kernel, parsed
+
+
+def empty_rows_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if not args.model and not args.init:
+        p.error("nothing to measure: give --model folders and/or --init kernels")
+    check_model_dirs(p, args.model or None, [])
+    if args.labels and len(args.labels) != len(args.model):
+        p.error(f"--labels: {len(args.labels)} value(s) for {len(args.model)} --model "
+                "folder(s); give one per folder")
+    import torch
+
+    from . import experiments, models, retrieval, tasks
+
+    if args.preset not in experiments.EXTRAPOLATION_PRESETS:
+        p.error(f"--preset {args.preset!r}: choose from "
+                f"{', '.join(experiments.EXTRAPOLATION_PRESETS)}")
+    device = args.device or default_device()
+    spec = tasks.TASKS[args.task]
+    samples = tasks.fixed_set(args.task, args.samples, args.length, 1000)
+    ids = tasks.collate(samples, spec.pad)["input_ids"].to(device)
+    shares: dict[str, list[list[float]]] = {}
+    labels = args.labels or [models.saved_label(d, None) for d in args.model]
+    for d, label in zip(args.model, labels):
+        try:
+            model = models.load_model(d, device)
+            experiments.check_vocab(model, spec.vocab_size, d, args.task)
+            shares[label] = retrieval.empty_rows(model, ids)
+        except ValueError as err:
+            p.error(f"--model {d}: {err}")
+    proto = experiments.EXTRAPOLATION_PRESETS[args.preset]
+    for kernel, kwargs in args.init:
+        for seed in args.init_seed:
+            torch.manual_seed(seed)
+            try:
+                model = experiments.extrapolation_model(args.task, "mosaics", kernel, proto,
+                                                        kwargs, args.length).to(device)
+            except (KeyError, TypeError, ValueError) as err:
+                p.error(f"--init {kernel}: {err}")
+            extra = ",".join(f"{k}={v}" for k, v in sorted(kwargs.items()))
+            name = f"{kernel} ({extra})" if extra else kernel
+            shares[f"{name} s{seed}, init"] = retrieval.empty_rows(model, ids)
+    print(retrieval.empty_rows_table(shares))
+    return 0
+
+
 # --- compare-loss ------------------------------------------------------------------------------
 
 def _compare_parser(p: argparse.ArgumentParser) -> None:
@@ -544,6 +624,9 @@ COMMANDS = {
     "retrieval": (_retrieval_parser, retrieval_command,
                   "where the contextual memory looks: block mass, support and effective "
                   "support of the retrieval weights of saved task models, per test length"),
+    "empty-rows": (_empty_rows_parser, empty_rows_command,
+                   "the share of rows whose kernel weights no past entry (no output, no "
+                   "gradient to keys or bandwidth), per head, of saved or freshly built models"),
     "compare-loss": (_compare_parser, compare_command,
                      "table and figure of the loss by position of several perplexity.json"),
 }

@@ -230,6 +230,35 @@ def retrieval_profile(model: torch.nn.Module, task: str, samples: list[tasks.Sam
     return out
 
 
+@torch.no_grad()
+def empty_rows(model: torch.nn.Module, input_ids: Tensor, first: int = 2) -> list[list[float]]:
+    """Per layer and head ([layer][head]), the share of the rows t >= ``first`` of
+    ``input_ids`` (B, T) whose kernel gives no past entry any weight: the row's output is 0 and
+    it passes no gradient to the keys or the bandwidth (fixed-bandwidth kernels only; every
+    other built-in kernel always weights some entry)."""
+    model.eval()
+    inputs, _ = memory_inputs(model, input_ids)
+    rows = torch.arange(first, input_ids.shape[1], device=input_ids.device)
+    out = []
+    for mem, x in zip(memory_modules(model), inputs):
+        empty = mem.retrieval_weights(x, rows).sum(-1) == 0  # (B, H, rows)
+        out.append(empty.double().mean(dim=(0, 2)).tolist())
+    return out
+
+
+def empty_rows_table(shares: dict[str, list[list[float]]]) -> str:
+    """Markdown: per model, the mean share of empty rows over its heads, the heads with more
+    than half their rows empty, and every head's share (one group per layer)."""
+    lines = ["| model | empty rows (mean of heads) | heads over 1/2 | per layer: heads |",
+             "|---|---|---|---|"]
+    for label, by_layer in shares.items():
+        flat = [v for layer in by_layer for v in layer]
+        over = sum(v > 0.5 for v in flat)
+        heads = " / ".join(" ".join(f"{v:.2f}" for v in layer) for layer in by_layer)
+        lines.append(f"| {label} | {np.mean(flat):.2f} | {over} of {len(flat)} | {heads} |")
+    return "\n".join(lines)
+
+
 def retrieval_head(profile: dict[str, Any], metric: str = "block_mass") -> tuple[int, int]:
     """(layer, head) with the most ``metric`` (MQMTAR: ``block_mass`` or an entry mass), or
     else (Sort) the smallest effective support."""
