@@ -16,8 +16,9 @@ from mosaics.ops import lookahead_values
 KERNELS = [("gaussian", {}), ("epanechnikov", {}), ("biweight", {}), ("triweight", {}),
            ("relumax", {}), ("epanechnikov_fixed", {}), ("gaussian_knn", {"k": 4}),
            ("uniform_knn", {"k": 4}),
-           ("epanechnikov_fixed", {"parametrization": "published-code"}),
-           ("relumax", {"parametrization": "published-code"})]
+           ("epanechnikov_fixed", {"parametrization": "regbench-code"}),
+           ("epanechnikov_fixed", {"parametrization": "synthetic-code"}),
+           ("relumax", {"parametrization": "regbench-code"})]
 
 
 def tiny(kernel="gaussian", kernel_kwargs=None, alibi=False, vocab=50, n_layer=1, **extra):
@@ -278,7 +279,8 @@ def test_the_command_applies_a_bandwidth_intervention(tmp_path, capsys):
     assert "LAYER.HEAD=BETA" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"parametrization": "published-code"}])
+@pytest.mark.parametrize("kwargs", [{}, {"parametrization": "regbench-code"},
+                                    {"parametrization": "synthetic-code"}])
 def test_empty_rows_are_the_rows_with_no_entry_inside_the_bandwidth(kwargs):
     """Fixed bandwidth: row t is empty iff max_{s < t} cos(k_t, k_s) <= 1 - 1 / beta'."""
     model = tiny("epanechnikov_fixed", kwargs, n_layer=2)
@@ -307,13 +309,13 @@ def test_the_empty_rows_command_measures_saved_and_fresh_models(tmp_path, capsys
     tiny("epanechnikov_fixed", vocab=263, n_layer=2).save_pretrained(d)
     assert main(["empty-rows", "--model", str(d), "--labels", "saved", "--init",
                  "epanechnikov_fixed", 'epanechnikov_fixed:{"parametrization": '
-                 '"published-code"}', "--init-seed", "0", "1", "--samples", "2",
+                 '"synthetic-code"}', "--init-seed", "0", "1", "--samples", "2",
                  "--device", "cpu"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| model | empty rows") and len(rows) == 1 + 1 + 4
     assert rows[1].startswith("| saved |") and rows[1].count("/") == 1  # two layers
     assert rows[2].startswith("| epanechnikov_fixed s0, init |")
-    assert rows[4].startswith("| epanechnikov_fixed (parametrization=published-code) s0, init")
+    assert rows[4].startswith("| epanechnikov_fixed (parametrization=synthetic-code) s0, init")
     assert rows[5].count("/") == 3  # the cpu-recall preset's model has four layers
     mean = [float(r.split("|")[2]) for r in rows[2:]]
     assert min(mean[:2]) > max(mean[2:])  # the published code's scores start wider

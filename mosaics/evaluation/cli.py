@@ -513,8 +513,8 @@ def _empty_rows_parser(p: argparse.ArgumentParser) -> None:
                    help="a table label per --model (default: the folders)")
     p.add_argument("--init", nargs="+", type=init_arg, default=[], metavar="KERNEL[:JSON]",
                    help="fresh models as a job of --preset builds them before its first step, "
-                        "e.g. epanechnikov_fixed or 'relumax:{\"parametrization\": "
-                        "\"published-code\"}'")
+                        "e.g. epanechnikov_fixed or 'epanechnikov_fixed:{\"parametrization\""
+                        ": \"synthetic-code\"}'")
     p.add_argument("--init-seed", nargs="+", type=int, default=[0],
                    help="the job seeds of the --init models (default 0)")
     p.add_argument("--preset", default="cpu-recall",

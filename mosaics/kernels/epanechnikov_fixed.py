@@ -7,14 +7,20 @@ h^2 = 2 / beta: a memory entry farther than h from the query gets no weight. Whe
 that far (empty support, 0/0) the row's output is 0, as for position 0.
 
 Options (``kernel_kwargs``): ``r`` > 0 (default 1); ``parametrization``: "formula" (default,
-the kernel above with the memory's beta) or "published-code", the scores of the normalized
-ReLU in the published code of "Sparse Attention as Compact Kernel Regression"
-(``norm_relu``): keys scaled by sqrt(beta) so that raw = beta c, then u = [raw / (h^2 / 2) +
-1 - 2 / h^2]_+ with 1 / h^2 = beta, i.e. u = [2 beta^2 c + 1 - 2 beta]_+. Normalized, that is
-the kernel above with the bandwidth beta' = 2 beta^2 / (2 beta^2 - 2 beta + 1): its support
-c > 1 - 1 / beta' = (2 beta - 1) / (2 beta^2) never starts above c = 1/2 (beta 1) and widens
-as beta grows (c > 0.13 at the initial beta e^2, where the formula's starts at c > 0.86).
-The code gives an empty row uniform weights over its past; here it stays 0.
+the kernel above with the memory's beta) or the scores of ``norm_relu`` in the published code
+of "Sparse Attention as Compact Kernel Regression", which has two memory blocks:
+
+- "regbench-code" (``memory_mosaics.py``, its in-context language learning runs): keys scaled
+  by sqrt(beta), so raw = beta c, then u = [raw / (h^2 / 2) + 1 - 2 / h^2]_+ with 1 / h^2 =
+  beta, i.e. u = [2 beta^2 c + 1 - 2 beta]_+. Normalized, that is the kernel above at the
+  bandwidth beta' = 2 beta^2 / (2 beta^2 - 2 beta + 1): a support c > (2 beta - 1) /
+  (2 beta^2) that never starts above c = 1/2 (beta 1) and widens as beta grows (c > 0.13 at
+  the initial beta e^2, where the formula's starts at c > 0.86).
+- "synthetic-code" (``memory_mosaics_eft.py``, its Sort and MQMTAR runs): u = [c]_+, the
+  bandwidth computed but unused, i.e. the kernel above at beta' = 1 whatever beta is (no
+  gradient reaches the bandwidth).
+
+Both give an empty row uniform weights over its past; here it stays 0.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from torch import Tensor
 from .base import register_kernel
 from .score_kernel import PowerKernel, check_choice, check_positive
 
-PARAMETRIZATIONS = ("formula", "published-code")
+PARAMETRIZATIONS = ("formula", "regbench-code", "synthetic-code")
 
 
 def power_normalize_backward(p: Tensor, dp: Tensor, u: Tensor, r: float) -> Tensor:
@@ -50,10 +56,12 @@ class EpanechnikovFixedKernel(PowerKernel):
         self.power = self.r
 
     def bandwidth(self, beta: Tensor) -> Tensor:
-        """beta, or (published code) 2 beta^2 / (2 beta^2 - 2 beta + 1) (the denominator is
-        >= 1/2 for every beta)."""
+        """beta; (regbench-code) 2 beta^2 / (2 beta^2 - 2 beta + 1), whose denominator is
+        >= 1/2 for every beta; (synthetic-code) 1."""
         if self.parametrization == "formula":
             return beta
+        if self.parametrization == "synthetic-code":
+            return beta * 0 + 1  # keeps beta's shape, dtype and graph (a zero gradient)
         return 2 * beta.square() / (2 * beta.square() - 2 * beta + 1)
 
     def row_shift(self, x: Tensor, bmax: Tensor | None,

@@ -6,11 +6,13 @@
 The best-matching entry always has u = b > 0, so the support is never empty (unlike the
 fixed-bandwidth ``epanechnikov_fixed``), and the weights are invariant to shifting all scores.
 Options (``kernel_kwargs``): ``r`` > 0 (default 1), ``b`` > 0 (default 1), ``parametrization``:
-"formula" (default: the scale is the memory's beta) or "published-code", the scores of
-``relumax`` in the published code of "Sparse Attention as Compact Kernel Regression": keys
-scaled by sqrt(beta), raw = beta c, then u = [(raw - max raw) / h^2 + 1]_+ with 1 / h^2 =
-beta, i.e. the scale is beta^2 (e^4 at the initial beta e^2, up to e^20, where the formula's
-is e^2, up to e^10).
+"formula" (default: the scale is the memory's beta) or the scores of ``relumax`` in the
+published code of "Sparse Attention as Compact Kernel Regression": "regbench-code"
+(``memory_mosaics.py``, its in-context language learning runs) scales the keys by sqrt(beta),
+so raw = beta c, then forms u = [(raw - max raw) / h^2 + 1]_+ with 1 / h^2 = beta, i.e. the
+scale is beta^2 (e^4 at the initial beta e^2, up to e^20); "synthetic-code"
+(``memory_mosaics_eft.py``, its Sort and MQMTAR runs) forms [(c - max c) / h^2 + 1]_+ from
+unit keys, the formula's scale beta.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ class ReLUMaxKernel(PowerKernel):
         self.power = self.r
 
     def bandwidth(self, beta: Tensor) -> Tensor:
-        """beta, or (published code) beta^2."""
-        return beta if self.parametrization == "formula" else beta.square()
+        """beta, or (regbench-code) beta^2."""
+        return beta.square() if self.parametrization == "regbench-code" else beta
 
     def row_shift(self, x: Tensor, bmax: Tensor | None,
                   buffers: tuple[Tensor, Tensor] | None) -> float:
