@@ -88,6 +88,10 @@ def test_mqmtar_rows_point_at_the_block_that_holds_the_answer(length):
             assert tuple(tokens[lookup - 2:lookup]) == tuple(tokens[block[:2]])
             assert tokens[lookup] in (tasks.QSEP, tasks.MQMTAR.sep) and lookup > block[-1]
             assert rows[2 * i] - lookup == 10  # the copy reaches 10 positions back
+        for i, key_row in enumerate(layout.key_rows):  # query i's k1
+            assert tokens[key_row - 1] == tasks.QSEP
+            assert tokens[key_row] == tokens[blocks[2 * i][0]]
+            assert rows[2 * i] - key_row == 12  # the k1 copy reaches 12 positions back
 
 
 def test_the_carrier_entry_holds_the_target_token_in_its_value():
@@ -133,7 +137,7 @@ def test_the_profile_averages_the_rows_of_every_layer_and_head():
     samples = tasks.fixed_set("mqmtar", 3, 64, 0)
     profile = retrieval.retrieval_profile(model, "mqmtar", samples)
     keys = ("block_mass", "entry_mass", "direct_mass", "second_mass", "lookup_mass",
-            "copy_mass", "support")
+            "copy_mass", "k1_lookup_mass", "k1_copy_mass", "support")
     slow = {k: np.zeros((2, 4)) for k in keys}
     right = np.zeros(2)
     for sample in samples:
@@ -158,6 +162,9 @@ def test_the_profile_averages_the_rows_of_every_layer_and_head():
                     v1 = layout.targets[2 * i]
                     slow["lookup_mass"][layer, h] += w[h, lookup, v1 - 1 + shift]
                     slow["copy_mass"][layer, h] += w[h, layout.rows[2 * i], lookup - 1 + shift]
+                    k1 = layout.key_rows[i]
+                    slow["k1_lookup_mass"][layer, h] += w[h, k1, v1 - 1 + shift]
+                    slow["k1_copy_mass"][layer, h] += w[h, layout.rows[2 * i], k1 - 1 + shift]
     n = 8 * len(samples)
     for key in keys:
         per_row = n if key in ("block_mass", "entry_mass", "support") else n / 2
@@ -166,7 +173,7 @@ def test_the_profile_averages_the_rows_of_every_layer_and_head():
     assert [profile["v1_accuracy"], profile["v2_accuracy"]] == (right / (n / 2)).tolist()
     assert 0.0 <= profile["exact_match"] <= 1.0
     assert profile["beta"] == [m.weights().beta.tolist() for m in mems]
-    for key in ("block_mass", "direct_mass", "copy_mass"):
+    for key in ("block_mass", "direct_mass", "copy_mass", "k1_copy_mass"):
         layer, head = retrieval.retrieval_head(profile, key)
         assert profile[key][layer][head] == np.max(profile[key])
 
@@ -207,9 +214,10 @@ def test_the_command_writes_a_table_per_model_and_length(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "| tiny | 64 |" in table and "| again | 128 |" in table
     heads = [line for line in table.splitlines() if line.startswith("| ")]
-    assert "entry mass" in heads[0] and "| direct | lookup | copy | second |" in heads[5]
+    assert "entry mass" in heads[0]
+    assert "| direct | lookup | copy | k1 lookup | k1 copy | second |" in heads[5]
     # two tables: the retrieval head's, then the paths', each a header and 2 x 2 rows
-    assert len(heads) == 10 and [h.count("|") for h in heads] == [10] * 5 + [9] * 5
+    assert len(heads) == 10 and [h.count("|") for h in heads] == [10] * 5 + [11] * 5
     saved = json.loads((tmp_path / "out" / "retrieval.json").read_text())
     assert set(saved["profiles"]["tiny"]) == {"64", "128"}
     assert saved["seeds"] == {"tiny": 0, "again": 5}

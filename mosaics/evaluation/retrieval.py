@@ -16,14 +16,18 @@ For each query row the kernel gives weights w_s over the entries s < t
   c v~_s), so a head with c <= 1/2 (look-ahead) finds token p in entry p - 1 and a head with
   c > 1/2 (own token) in entry p (:func:`carrier_entries`).
 
-MQMTAR's recall can take two paths, and the profile measures each (``*_mass``, the entry mass
-of that step):
+MQMTAR's recall can take three paths, and the profile measures each (``*_mass``, the entry
+mass of that step):
 
 - ``direct``: the row that predicts v1 (the answer's ``QSEP``) finds v1 in the block itself;
   its key must hold the query's k1 k2, 11-12 tokens back;
 - ``lookup`` then ``copy``: the row right after the query's key (the next query's ``QSEP``, or
   ``SEP``) finds v1 in the block while k1 k2 are its last tokens, and the answer's row copies
   that row's token, a fixed 10 positions back;
+- ``k1_lookup`` then ``k1_copy``: the row of the query's first key token k1 finds v1 in the
+  block from k1 alone (before k2 is seen), and the answer's row copies that row's token, a
+  fixed 12 positions back. k1 is one of 256 tokens, so another block shares it more often
+  as the context grows;
 - ``second``: the row that predicts v2 (the answer's v1) finds v2 in the block; its own token
   v1 is in the key of the entry it needs, but so is every other v1 of the context.
 
@@ -102,12 +106,14 @@ class MQMTARLayout(NamedTuple):
     """Where one MQMTAR sequence's recall happens. Per value row (v1 and v2 rows alternate):
     ``rows`` the position that predicts the value, ``blocks`` the answering block's six
     positions, ``targets`` the position in the block of the token the row predicts. Per
-    query: ``lookups`` the row right after the query's key (the next query's QSEP, or SEP)."""
+    query: ``lookups`` the row right after the query's key (the next query's QSEP, or SEP),
+    ``key_rows`` the row of the query's first key token k1."""
 
     rows: list[int]
     blocks: list[list[int]]
     targets: list[int]
     lookups: list[int]
+    key_rows: list[int]
 
 
 def mqmtar_rows(tokens: np.ndarray) -> MQMTARLayout:
@@ -117,7 +123,7 @@ def mqmtar_rows(tokens: np.ndarray) -> MQMTARLayout:
     spec = tasks.MQMTAR
     tokens = np.asarray(tokens)
     sep = int(np.flatnonzero(tokens == spec.sep)[0])
-    out = MQMTARLayout([], [], [], [])
+    out = MQMTARLayout([], [], [], [], [])
     first_query = sep - 3 * tasks.N_QUERIES
     for i in range(tasks.N_QUERIES):
         k1, k2 = tokens[first_query + 3 * i + 1], tokens[first_query + 3 * i + 2]
@@ -132,6 +138,7 @@ def mqmtar_rows(tokens: np.ndarray) -> MQMTARLayout:
         out.blocks.extend([block, block])
         out.targets.extend([block[3], block[4]])
         out.lookups.append(first_query + 3 * i + 3)
+        out.key_rows.append(first_query + 3 * i + 1)
     return out
 
 
@@ -164,10 +171,10 @@ def carried_mass(w: Tensor, targets: list[int], own: Tensor) -> Tensor:
 
 
 def _path_masses(w: Tensor, layout: MQMTARLayout, own: Tensor) -> dict[str, Tensor]:
-    """The MQMTAR masses (H, rows) of one layer's weights w (H, 8 + 4, T) over the value rows
-    then the lookup rows of ``layout``."""
-    n = len(layout.rows)
-    value_w, lookup_w = w[:, :n], w[:, n:]
+    """The MQMTAR masses (H, rows) of one layer's weights w (H, 8 + 4 + 4, T) over the value
+    rows, the lookup rows, then the key rows of ``layout``."""
+    n, q = len(layout.rows), len(layout.lookups)
+    value_w, lookup_w, key_w = w[:, :n], w[:, n:n + q], w[:, n + q:]
     on_block = torch.zeros_like(value_w[0], dtype=torch.bool)
     for r, block in enumerate(layout.blocks):
         on_block[r, block] = True
@@ -179,6 +186,8 @@ def _path_masses(w: Tensor, layout: MQMTARLayout, own: Tensor) -> dict[str, Tens
         "second_mass": entry[:, 1::2],  # the rows that predict v2
         "lookup_mass": carried_mass(lookup_w, layout.targets[0::2], own),  # finds v1
         "copy_mass": carried_mass(value_w[:, 0::2], layout.lookups, own),  # reads the lookup
+        "k1_lookup_mass": carried_mass(key_w, layout.targets[0::2], own),  # finds v1 from k1
+        "k1_copy_mass": carried_mass(value_w[:, 0::2], layout.key_rows, own),  # reads that row
     }
 
 
@@ -187,7 +196,8 @@ def retrieval_profile(model: torch.nn.Module, task: str, samples: list[tasks.Sam
                       device: str | torch.device = "cpu") -> dict[str, list[list[float]]]:
     """Means over the samples' rows, per layer and head ([layer][head]): ``support`` and
     ``effective`` of the value rows, and (MQMTAR) ``block_mass``, ``entry_mass`` and the masses
-    of each path (``direct_mass``, ``lookup_mass``, ``copy_mass``, ``second_mass``); scalars:
+    of each path (``direct_mass``, ``lookup_mass``, ``copy_mass``, ``k1_lookup_mass``,
+    ``k1_copy_mass``, ``second_mass``); scalars:
     ``exact_match`` over the samples and (MQMTAR) the token accuracy of the v1 and v2 rows
     (``v1_accuracy``, ``v2_accuracy``); the heads' bandwidths ``beta``."""
     model.eval()
@@ -200,8 +210,8 @@ def retrieval_profile(model: torch.nn.Module, task: str, samples: list[tasks.Sam
     for sample in samples:
         ids = torch.from_numpy(sample.tokens).view(1, -1).to(device)
         layout = mqmtar_rows(sample.tokens) if task == "mqmtar" else None
-        # the rows that predict the scored tokens (MQMTAR: then the lookup rows)
-        rows = layout.rows + layout.lookups if layout else (
+        # the rows that predict the scored tokens (MQMTAR: then the lookup and key rows)
+        rows = layout.rows + layout.lookups + layout.key_rows if layout else (
             np.flatnonzero(sample.score_mask) - 1).tolist()
         n = len(layout.rows) if layout else len(rows)
         xs, logits = memory_inputs(model, ids)
@@ -290,7 +300,8 @@ def retrieval_table(profiles: dict[str, dict[int, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
-PATHS = ("direct_mass", "lookup_mass", "copy_mass", "second_mass")
+PATHS = ("direct_mass", "lookup_mass", "copy_mass", "k1_lookup_mass", "k1_copy_mass",
+         "second_mass")
 
 
 def paths_table(profiles: dict[str, dict[int, dict[str, Any]]]) -> str:
@@ -312,4 +323,5 @@ def paths_table(profiles: dict[str, dict[int, dict[str, Any]]]) -> str:
     if not rows:
         return ""
     return "\n".join(["| model | length | exact match | token accuracy v1 / v2 | direct | lookup "
-                      "| copy | second |", "|---|---|---|---|---|---|---|---|", *rows])
+                      "| copy | k1 lookup | k1 copy | second |",
+                      "|---|---|---|---|---|---|---|---|---|---|", *rows])
