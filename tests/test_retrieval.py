@@ -339,3 +339,6 @@ def test_the_empty_rows_command_names_what_is_wrong(capsys):
     with pytest.raises(SystemExit):
         main(["empty-rows", "--init", "relumax", "--preset", "nope"])
     assert "--preset 'nope': choose from" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["empty-rows", "--init", "fska", "--samples", "1", "--device", "cpu"])
+    assert "--init fska: " in capsys.readouterr().err

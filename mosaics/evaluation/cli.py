@@ -572,14 +572,14 @@ def empty_rows_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
     for kernel, kwargs in args.init:
         for seed in args.init_seed:
             torch.manual_seed(seed)
+            extra = ",".join(f"{k}={v}" for k, v in sorted(kwargs.items()))
+            name = f"{kernel} ({extra})" if extra else kernel
             try:
                 model = experiments.extrapolation_model(args.task, "mosaics", kernel, proto,
                                                         kwargs, args.length).to(device)
+                shares[f"{name} s{seed}, init"] = retrieval.empty_rows(model, ids)
             except (KeyError, TypeError, ValueError) as err:
                 p.error(f"--init {kernel}: {err}")
-            extra = ",".join(f"{k}={v}" for k, v in sorted(kwargs.items()))
-            name = f"{kernel} ({extra})" if extra else kernel
-            shares[f"{name} s{seed}, init"] = retrieval.empty_rows(model, ids)
     print(retrieval.empty_rows_table(shares))
     return 0
 

@@ -62,14 +62,17 @@ def memory_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 @torch.no_grad()
 def head_bandwidths(model: torch.nn.Module) -> list[list[float]]:
-    """The bandwidth beta_h of each layer's heads ([layer][head]): the scores are beta cos."""
+    """The bandwidth beta_h of each layer's heads ([layer][head]) as the scores use it (beta
+    cos), after the kernel's :meth:`~mosaics.kernels.base.Kernel.bandwidth` map."""
     return [m.weights().beta.float().tolist() for m in memory_modules(model)]
 
 
 @torch.no_grad()
 def set_bandwidth(model: torch.nn.Module, layer: int, head: int, beta: float) -> None:
     """A test-time intervention: give head ``head`` of layer ``layer`` the bandwidth ``beta``
-    (beta = exp(2 min(10 b, 5)), so 0 < beta <= e^10), the other weights unchanged."""
+    (beta = exp(2 min(10 b, 5)), so 0 < beta <= e^10), the other weights unchanged. That is
+    the memory's beta, before the kernel's ``bandwidth`` map (which only the published-code
+    parametrizations change)."""
     from ..memory import BETA_LOG_CAP, EXP_SCALE
 
     mems = memory_modules(model)
