@@ -289,8 +289,11 @@ def test_the_command_applies_a_bandwidth_intervention(tmp_path, capsys):
 
 @pytest.mark.parametrize("kwargs", [{}, {"parametrization": "regbench-code"},
                                     {"parametrization": "synthetic-code"}])
-def test_empty_rows_are_the_rows_with_no_entry_inside_the_bandwidth(kwargs):
-    """Fixed bandwidth: row t is empty iff max_{s < t} cos(k_t, k_s) <= 1 - 1 / beta'."""
+@pytest.mark.parametrize("chunk", [256, 5])
+def test_empty_rows_are_the_rows_with_no_entry_inside_the_bandwidth(kwargs, chunk, monkeypatch):
+    """Fixed bandwidth: row t is empty iff max_{s < t} cos(k_t, k_s) <= 1 - 1 / beta'. A chunk
+    of 5 rows splits the 28 rows unevenly."""
+    monkeypatch.setattr(retrieval, "ROW_CHUNK", chunk)
     model = tiny("epanechnikov_fixed", kwargs, n_layer=2)
     with torch.no_grad():  # one wide head and three narrow ones per layer
         for block in model.model.blocks:
@@ -342,3 +345,6 @@ def test_the_empty_rows_command_names_what_is_wrong(capsys):
     with pytest.raises(SystemExit):
         main(["empty-rows", "--init", "fska", "--samples", "1", "--device", "cpu"])
     assert "--init fska: " in capsys.readouterr().err
+    with pytest.raises(ValueError, match="first=30: rows t >= first must exist"):
+        retrieval.empty_rows(tiny("epanechnikov_fixed"), torch.zeros(1, 30, dtype=torch.long),
+                             first=30)

@@ -243,19 +243,27 @@ def retrieval_profile(model: torch.nn.Module, task: str, samples: list[tasks.Sam
     return out
 
 
+ROW_CHUNK = 256  # query rows per retrieval_weights call in empty_rows
+
+
 @torch.no_grad()
 def empty_rows(model: torch.nn.Module, input_ids: Tensor, first: int = 2) -> list[list[float]]:
     """Per layer and head ([layer][head]), the share of the rows t >= ``first`` of
     ``input_ids`` (B, T) whose kernel gives no past entry any weight: the row's output is 0 and
     it passes no gradient to the keys or the bandwidth (fixed-bandwidth kernels only; every
     other built-in kernel always weights some entry)."""
+    if not 1 <= first < input_ids.shape[1]:
+        raise ValueError(f"first={first}: rows t >= first must exist and have a past (1 <= "
+                         f"first < {input_ids.shape[1]}, the sequence length)")
     model.eval()
     inputs, _ = memory_inputs(model, input_ids)
     rows = torch.arange(first, input_ids.shape[1], device=input_ids.device)
     out = []
     for mem, x in zip(memory_modules(model), inputs):
-        empty = mem.retrieval_weights(x, rows).sum(-1) == 0  # (B, H, rows)
-        out.append(empty.double().mean(dim=(0, 2)).tolist())
+        # Rows in chunks, so a long sequence never holds the whole (B, H, T, T) weight map.
+        counts = sum((mem.retrieval_weights(x, chunk).sum(-1) == 0).double().sum(dim=(0, 2))
+                     for chunk in rows.split(ROW_CHUNK))
+        out.append((counts / (x.shape[0] * len(rows))).tolist())
     return out
 
 
