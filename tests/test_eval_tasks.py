@@ -314,3 +314,45 @@ def test_an_interrupted_regbench_run_resumes_to_the_same_scores(tmp_path, monkey
 
     a, b = (load_file(Path(r["model_dir"]) / "model.safetensors") for r in (whole, split))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_mqmtar_runs_log_the_recall_paths_at_every_validation(tmp_path):
+    """A Memory Mosaics MQMTAR run logs each path's best-head mass and the v1 / v2 accuracy
+    at every validation; the last one equals a fresh profile of the saved model."""
+    from mosaics.evaluation import experiments, retrieval
+    from mosaics.evaluation.experiments import EXTRAPOLATION_PRESETS, with_overrides
+    from mosaics.evaluation.models import load_model
+
+    proto = with_overrides(EXTRAPOLATION_PRESETS["cpu"], n_embd=32, n_head=2, n_layer=2,
+                           pmem_size=24, min_len=32, max_len=40, steps=4, eval_every=2,
+                           batch_size=4, lr=1e-2, multipliers=(1,), n_samples=4, n_val=6,
+                           keep="last")
+    run = experiments.run_extrapolation("mqmtar", "mosaics", "gaussian", proto, seed=0,
+                                        out_dir=tmp_path, save_model=True,
+                                        progress=False)["runs"][0]
+    evals = [row for row in run["train"]["history"] if "val/loss" in row]
+    assert [row["step"] for row in evals] == [2, 4]
+    keys = [f"val/{k}" for k in (*retrieval.PATHS, "v1_accuracy", "v2_accuracy")]
+    for row in evals:
+        assert all(0 <= row[k] <= 1 for k in keys)
+    assert evals[0]["val/direct_mass"] != evals[1]["val/direct_mass"]  # the model moved
+
+    model = load_model(run["model_dir"], "cpu")
+    val = tasks.fixed_set("mqmtar", 6, (32, 40), 2000)
+    fresh = retrieval.path_summary(retrieval.retrieval_profile(model, "mqmtar", val))
+    for key, value in fresh.items():
+        assert evals[-1][f"val/{key}"] == pytest.approx(value, abs=1e-5)
+
+    baseline = experiments.run_extrapolation("mqmtar", "llama", None, proto, seed=0,
+                                             progress=False)["runs"][0]
+    assert not any("val/direct_mass" in row for row in baseline["train"]["history"])
+
+
+def test_path_logging_refuses_what_has_no_paths():
+    from mosaics.evaluation import retrieval
+    from mosaics.evaluation.experiments import TaskExactMatch
+
+    with pytest.raises(ValueError, match="task 'sort' has none"):
+        TaskExactMatch("sort", [], 4, "cpu", paths=True)
+    with pytest.raises(ValueError, match="not an MQMTAR profile: direct_mass"):
+        retrieval.path_summary({"support": [[1.0]]})

@@ -34,7 +34,7 @@ from ..training.trainer import (
     count_parameters,
     make_accelerator,
 )
-from . import regbench, tasks
+from . import regbench, retrieval, tasks
 from .models import is_mosaics, load_model, model_config, saved_label
 
 
@@ -316,11 +316,19 @@ def heldout_fingerprint(data: regbench.RegBenchData) -> str:
 class TaskExactMatch(Hook):
     """At every validation, the exact match and token accuracy of the validation samples and
     the wall time since training started, logged as extra rows of ``metrics.jsonl`` (and
-    merged into the trainer's history)."""
+    merged into the trainer's history). With ``paths`` (MQMTAR, Memory Mosaics models), also
+    the recall's path masses at their best heads and the v1 / v2 token accuracy
+    (:func:`~mosaics.evaluation.retrieval.path_summary`, keys ``val/direct_mass``, ...,
+    ``val/v1_accuracy``) on the first ``PATH_SAMPLES`` validation samples."""
+
+    PATH_SAMPLES = 32
 
     def __init__(self, task: str, samples: list[tasks.Sample], batch_size: int,
-                 device: str) -> None:
+                 device: str, paths: bool = False) -> None:
+        if paths and task != "mqmtar":
+            raise ValueError(f"paths are MQMTAR's recall routes; task {task!r} has none")
         self.task, self.samples, self.batch_size, self.device = task, samples, batch_size, device
+        self.paths = paths
         self.pending: dict[str, float] = {}
 
     def on_evaluate(self, trainer: Trainer, step: int, val_loss: float) -> None:
@@ -328,13 +336,21 @@ class TaskExactMatch(Hook):
         was_training = model.training
         score = tasks.evaluate_exact_match(model, self.task, self.samples, self.batch_size,
                                            self.device)
-        model.train(was_training)
         self.pending = {"val/exact_match": score["exact_match"],
-                        "val/token_accuracy": score["token_accuracy"],
-                        "elapsed_s": trainer.elapsed_seconds}
+                        "val/token_accuracy": score["token_accuracy"]}
+        if self.paths:
+            profile = retrieval.retrieval_profile(model, self.task,
+                                                  self.samples[:self.PATH_SAMPLES], self.device)
+            self.pending.update({f"val/{k}": v
+                                 for k, v in retrieval.path_summary(profile).items()})
+        model.train(was_training)
+        self.pending["elapsed_s"] = trainer.elapsed_seconds
         if trainer.is_main:  # beside the trainer's "val loss" line in the job's log
+            paths = "" if not self.paths else ", paths " + " ".join(
+                f"{k.removesuffix('_mass')} {self.pending[f'val/{k}']:.2f}"
+                for k in retrieval.PATHS)
             print(f"{trainer.name} step {step}: val exact match {score['exact_match']:.3f}, "
-                  f"token accuracy {score['token_accuracy']:.3f}", flush=True)
+                  f"token accuracy {score['token_accuracy']:.3f}{paths}", flush=True)
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         if not self.pending:
@@ -428,7 +444,8 @@ def run_extrapolation(task: str, arch: str, kernel: str | None, proto: Extrapola
     batches = tasks.RandomTaskBatches(task, proto.batch_size, proto.min_len, proto.max_len, seed)
     name = _run_name(task, arch, kernel)
     run_dir = None if out_dir is None else Path(out_dir) / "runs" / name
-    watch = TaskExactMatch(task, val, proto.batch_size, device)
+    watch = TaskExactMatch(task, val, proto.batch_size, device,
+                           paths=task == "mqmtar" and is_mosaics(arch))
     info = fit_task_model(model, batches, val_batches, proto.steps, proto.lr, proto.weight_decay,
                           proto.warmup_frac, proto.eval_every, seed, device, proto.time_budget_s,
                           run_dir, progress, f"{label} {task}", hooks=[watch],

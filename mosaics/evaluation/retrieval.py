@@ -315,6 +315,19 @@ PATHS = ("direct_mass", "lookup_mass", "copy_mass", "k1_lookup_mass", "k1_copy_m
          "second_mass")
 
 
+def path_summary(profile: dict[str, Any]) -> dict[str, float]:
+    """One MQMTAR profile in a few scalars, for a training log: each path's entry mass at its
+    best head (the max over layers and heads, e.g. ``direct_mass``) and the token accuracy
+    of the v1 and v2 rows. Which path grows first shows the route a seed takes."""
+    missing = [k for k in (*PATHS, "v1_accuracy", "v2_accuracy") if k not in profile]
+    if missing:
+        raise ValueError(f"not an MQMTAR profile: {', '.join(missing)} missing")
+    out = {k: float(np.max(profile[k])) for k in PATHS}
+    out.update(v1_accuracy=float(profile["v1_accuracy"]),
+               v2_accuracy=float(profile["v2_accuracy"]))
+    return out
+
+
 def paths_table(profiles: dict[str, dict[int, dict[str, Any]]]) -> str:
     """Markdown (MQMTAR): per model and length, the token accuracy of the v1 and v2 rows and,
     for each path of the recall, the head with the most entry mass at the model's shortest
