@@ -1,5 +1,6 @@
 """Sort and MQMTAR layouts, target masks, exact-match scoring; the training driver's schedule."""
 
+import json
 import math
 import os
 from dataclasses import replace
@@ -316,10 +317,12 @@ def test_an_interrupted_regbench_run_resumes_to_the_same_scores(tmp_path, monkey
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_mqmtar_runs_log_the_recall_paths_at_every_validation(tmp_path):
+def test_mqmtar_runs_log_the_recall_paths_at_every_validation(tmp_path, capsys):
     """A Memory Mosaics MQMTAR run logs each path's best-head mass and the v1 / v2 accuracy
-    at every validation; the last one equals a fresh profile of the saved model."""
+    at every validation; the last one equals a fresh profile of the saved model, and
+    `mosaics eval routes` reads them back from the result file and from metrics.jsonl."""
     from mosaics.evaluation import experiments, retrieval
+    from mosaics.evaluation.cli import main
     from mosaics.evaluation.experiments import EXTRAPOLATION_PRESETS, with_overrides
     from mosaics.evaluation.models import load_model
 
@@ -327,9 +330,9 @@ def test_mqmtar_runs_log_the_recall_paths_at_every_validation(tmp_path):
                            pmem_size=24, min_len=32, max_len=40, steps=4, eval_every=2,
                            batch_size=4, lr=1e-2, multipliers=(1,), n_samples=4, n_val=6,
                            keep="last")
-    run = experiments.run_extrapolation("mqmtar", "mosaics", "gaussian", proto, seed=0,
-                                        out_dir=tmp_path, save_model=True,
-                                        progress=False)["runs"][0]
+    results = experiments.run_extrapolation("mqmtar", "mosaics", "gaussian", proto, seed=0,
+                                            out_dir=tmp_path, save_model=True, progress=False)
+    run = results["runs"][0]
     evals = [row for row in run["train"]["history"] if "val/loss" in row]
     assert [row["step"] for row in evals] == [2, 4]
     keys = [f"val/{k}" for k in (*retrieval.PATHS, "v1_accuracy", "v2_accuracy")]
@@ -342,6 +345,22 @@ def test_mqmtar_runs_log_the_recall_paths_at_every_validation(tmp_path):
     fresh = retrieval.path_summary(retrieval.retrieval_profile(model, "mqmtar", val))
     for key, value in fresh.items():
         assert evals[-1][f"val/{key}"] == pytest.approx(value, abs=1e-5)
+
+    result_file = tmp_path / "result.json"
+    result_file.write_text(json.dumps({"job": {}, "results": results}))
+    metrics = tmp_path / "runs" / "mqmtar-gaussian" / "metrics.jsonl"
+    plot = tmp_path / "routes.png"
+    assert main(["routes", str(result_file), f"log={metrics}", "--out", str(plot)]) == 0
+    table = [line.split(" | ") for line in capsys.readouterr().out.splitlines()
+             if line.startswith("| mosaics/gaussian s0 |") or line.startswith("| log |")]
+    assert [cells[:2] for cells in table] == [["| mosaics/gaussian s0", "2"],
+                                              ["| mosaics/gaussian s0", "4"],
+                                              ["| log", "2"], ["| log", "4"]]
+    for cells, row in zip(table, evals + evals):  # the same numbers from either file
+        assert cells[3] == f"{row['val/v1_accuracy']:.2f} / {row['val/v2_accuracy']:.2f}"
+        assert cells[4] == f"{row['val/direct_mass']:.2f}"
+        assert cells[-1] == f"{row['val/second_mass']:.2f} |"
+    assert plot.stat().st_size > 0
 
     baseline = experiments.run_extrapolation("mqmtar", "llama", None, proto, seed=0,
                                              progress=False)["runs"][0]
@@ -356,3 +375,31 @@ def test_path_logging_refuses_what_has_no_paths():
         TaskExactMatch("sort", [], 4, "cpu", paths=True)
     with pytest.raises(ValueError, match="not an MQMTAR profile: direct_mass"):
         retrieval.path_summary({"support": [[1.0]]})
+
+
+def test_route_history_merges_the_rows_of_one_step():
+    from mosaics.evaluation import retrieval
+
+    routes = {f"val/{k}": 0.5 for k in (*retrieval.PATHS, "v1_accuracy", "v2_accuracy")}
+    rows = [{"step": 4, "val/loss": 1.0}, {"step": 4, "val/exact_match": 0.25, **routes},
+            {"step": 2, "val/loss": 2.0}, {"step": 2, **routes}, {"step": 3, "lr": 1e-3}]
+    history = retrieval.route_history(rows)
+    assert [(r["step"], r["val/loss"]) for r in history] == [(2, 2.0), (4, 1.0)]
+    assert history[1]["val/exact_match"] == 0.25
+
+
+def test_the_routes_command_names_what_is_wrong(tmp_path, capsys):
+    from mosaics.evaluation.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["routes", str(tmp_path / "nope.json")])
+    assert "nope.json: no such file" in capsys.readouterr().err
+    (tmp_path / "other.json").write_text(json.dumps({"x": 1}))
+    with pytest.raises(SystemExit):
+        main(["routes", str(tmp_path / "other.json")])
+    assert "not a result file (no 'runs')" in capsys.readouterr().err
+    log = tmp_path / "metrics.jsonl"
+    log.write_text(json.dumps({"step": 2, "val/loss": 1.0}) + "\n")
+    with pytest.raises(SystemExit):
+        main(["routes", str(log)])
+    assert "logged no routes" in capsys.readouterr().err

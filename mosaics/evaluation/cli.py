@@ -584,6 +584,66 @@ def empty_rows_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
     return 0
 
 
+# --- routes ------------------------------------------------------------------------------------
+
+def _routes_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("files", nargs="+", metavar="[LABEL=]FILE",
+                   help="MQMTAR training logs of Memory Mosaics runs: a sweep job's result "
+                        "file (<out>/results/<job>.json), an extrapolation result file, or a "
+                        "run's metrics.jsonl (readable while the run trains)")
+    p.add_argument("--every", type=positive_int, default=1,
+                   help="print every N-th validation of each run (default 1: all)")
+    p.add_argument("--out", type=Path, help="PNG of the routes against the step (optional)")
+
+
+def _route_histories(path: Path, label: str | None) -> dict[str, list[dict[str, Any]]]:
+    """{run label: its history rows} of one result file or metrics.jsonl."""
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        # <out>/jobs/<job>/runs/<run>/metrics.jsonl in a sweep: the job's name says more
+        job = path.parent.parent
+        return {label or (job.parent.name if job.name == "runs" else path.parent.name): rows}
+    data = json.loads(path.read_text())
+    results = data.get("results", data)  # a sweep job's file wraps the experiment's results
+    runs = results.get("runs") if isinstance(results, dict) else None
+    if not runs:
+        raise ValueError("not a result file (no 'runs')")
+    out = {}
+    for run in runs:
+        name = label or f"{run['label']} s{results.get('seed', '?')}"
+        out[name if len(runs) == 1 else f"{name} {run['label']}"] = run["train"]["history"]
+    return out
+
+
+def routes_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from . import retrieval
+
+    histories: dict[str, list[dict[str, Any]]] = {}
+    for arg in args.files:
+        label, sep, name = arg.rpartition("=")
+        path = Path(name if sep else arg)
+        if not path.is_file():
+            p.error(f"{path}: no such file")
+        try:
+            found = _route_histories(path, label or None)
+        except (ValueError, KeyError, TypeError) as err:
+            p.error(f"{path}: {err}")
+        for run, rows in found.items():
+            routes = retrieval.route_history(rows)
+            if not routes:
+                p.error(f"{path}: {run} logged no routes (only MQMTAR runs of Memory Mosaics "
+                        "models trained with this version log them)")
+            histories[run] = routes
+    print(retrieval.routes_table({k: v[args.every - 1::args.every]
+                                  for k, v in histories.items()}))
+    if args.out:
+        from .plots import plot_routes
+
+        plot_routes(histories, args.out)
+        print(f"plot: {args.out}")
+    return 0
+
+
 # --- compare-loss ------------------------------------------------------------------------------
 
 def _compare_parser(p: argparse.ArgumentParser) -> None:
@@ -627,6 +687,9 @@ COMMANDS = {
     "empty-rows": (_empty_rows_parser, empty_rows_command,
                    "the share of rows whose kernel weights no past entry (no output, no "
                    "gradient to keys or bandwidth), per head, of saved or freshly built models"),
+    "routes": (_routes_parser, routes_command,
+               "MQMTAR: which route of the recall a Memory Mosaics run takes during training "
+               "(each path's best-head entry mass and the v1 / v2 accuracy per validation)"),
     "compare-loss": (_compare_parser, compare_command,
                      "table and figure of the loss by position of several perplexity.json"),
 }

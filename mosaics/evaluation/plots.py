@@ -149,3 +149,31 @@ def plot_loss_by_position(loss_by_position: list[float] | dict[str, list[float]]
     ax.set_title(title)
     ax.grid(alpha=0.3)
     return _save(fig, path)
+
+
+def plot_routes(histories: dict[str, list[dict[str, Any]]], path: str | Path) -> Path:
+    """One panel per MQMTAR run: the best-head entry mass of each path of the recall and the
+    v1 accuracy and validation exact match against the training step
+    (:func:`mosaics.evaluation.retrieval.route_history` rows)."""
+    from .retrieval import PATHS
+
+    cols = min(3, len(histories))
+    rows = -(-len(histories) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    for ax in axes.flat[len(histories):]:
+        ax.set_visible(False)
+    for ax, (label, history) in zip(axes.flat, histories.items()):
+        steps = [r["step"] for r in history]
+        for key in PATHS:
+            ax.plot(steps, [r[f"val/{key}"] for r in history], label=key.removesuffix("_mass"))
+        ax.plot(steps, [r["val/v1_accuracy"] for r in history], "k--", label="v1 accuracy")
+        ax.plot(steps, [r.get("val/exact_match", np.nan) for r in history], "k:",
+                label="exact match")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("training step")
+        ax.set_title(label, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes.flat[0].set_ylabel("best-head entry mass / accuracy")
+    axes.flat[0].legend(fontsize=6)
+    fig.suptitle("MQMTAR: the recall's routes during training (validation samples)")
+    return _save(fig, path)

@@ -328,6 +328,31 @@ def path_summary(profile: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def route_history(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The validations of a training history (a result file's ``train.history`` or the rows
+    of ``metrics.jsonl``, which logs the loss and the routes as separate rows of one step)
+    that carry the recall's routes (:func:`path_summary`, logged as ``val/direct_mass``, ...),
+    one merged row per step in step order."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        by_step.setdefault(int(row["step"]), {}).update(row)
+    return [by_step[s] for s in sorted(by_step) if "val/direct_mass" in by_step[s]]
+
+
+def routes_table(histories: dict[str, list[dict[str, Any]]]) -> str:
+    """Markdown: per run and validation (:func:`route_history` rows), the validation exact
+    match, the token accuracy of the v1 and v2 rows and each path's best-head entry mass."""
+    lines = ["| run | step | val exact match | v1 / v2 accuracy | direct | lookup | copy | "
+             "k1 lookup | k1 copy | second |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for label, rows in histories.items():
+        for r in rows:
+            masses = " | ".join(f"{r[f'val/{k}']:.2f}" for k in PATHS)
+            lines.append(f"| {label} | {r['step']} | {r.get('val/exact_match', float('nan')):.2f}"
+                         f" | {r['val/v1_accuracy']:.2f} / {r['val/v2_accuracy']:.2f} | "
+                         f"{masses} |")
+    return "\n".join(lines)
+
+
 def paths_table(profiles: dict[str, dict[int, dict[str, Any]]]) -> str:
     """Markdown (MQMTAR): per model and length, the token accuracy of the v1 and v2 rows and,
     for each path of the recall, the head with the most entry mass at the model's shortest
