@@ -550,7 +550,7 @@ def empty_rows_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
                 "folder(s); give one per folder")
     import torch
 
-    from . import experiments, models, retrieval, tasks
+    from . import experiments, models, retrieval, sweep, tasks
 
     if args.preset not in experiments.EXTRAPOLATION_PRESETS:
         p.error(f"--preset {args.preset!r}: choose from "
@@ -572,8 +572,7 @@ def empty_rows_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
     for kernel, kwargs in args.init:
         for seed in args.init_seed:
             torch.manual_seed(seed)
-            extra = ",".join(f"{k}={v}" for k, v in sorted(kwargs.items()))
-            name = f"{kernel} ({extra})" if extra else kernel
+            name = sweep.model_label(kernel, kwargs)
             try:
                 model = experiments.extrapolation_model(args.task, "mosaics", kernel, proto,
                                                         kwargs, args.length).to(device)

@@ -47,6 +47,12 @@ LOG_TAIL = 4000  # characters of a failed job's log kept in its failure record
 MODEL_OVERRIDES = ("alibi",)
 
 
+def model_label(model: str, kernel_kwargs: dict[str, Any]) -> str:
+    """A table row's model: ``model``, then its kernel arguments, e.g. ``relumax (r=2)``."""
+    extra = ",".join(f"{k}={v}" for k, v in sorted(kernel_kwargs.items()))
+    return f"{model} ({extra})" if extra else model
+
+
 @dataclass(frozen=True)
 class Job:
     """One experiment: ``model`` is ``mosaics/<kernel>``, ``mosaics-v2/<kernel>`` (the v2
@@ -77,8 +83,7 @@ class Job:
         """The table row: the model, with its kernel arguments if any."""
         if self.model_dir is not None:
             return saved_label(self.model_dir, self.config_changes)
-        extra = ",".join(f"{k}={v}" for k, v in sorted(self.kernel_kwargs.items()))
-        label = f"{self.model} ({extra})" if extra else self.model
+        label = model_label(self.model, self.kernel_kwargs)
         return f"{label} +alibi" if self.overrides.get("alibi") else label
 
     @property
