@@ -261,6 +261,16 @@ class ContextualMemory(nn.Module):
                                    chunk=self.chunk, decay=w.decay)
         return unit_vectors(kbar, NORM_EPS), last
 
+    def no_retrieval_weights(self) -> str | None:
+        """Why :meth:`retrieval_weights` cannot map this memory, or None when it can."""
+        if self.intervals:
+            return ("this memory uses visible intervals (windows, document masking or an "
+                    "adaptive bandwidth: v2 options); it covers the v1 memory only")
+        if not supports_score_bias(self.kernel):
+            return (f"kernel {self.kernel.name!r} has no score normalizer (weights(cos, beta, "
+                    "mask)), so its weights are not one row of scores; use a score kernel")
+        return None
+
     @torch.no_grad()
     def retrieval_weights(self, x: Tensor, rows: Tensor | None = None) -> Tensor:
         """The weights the kernel gives each query over the strict past of a whole sequence,
@@ -271,14 +281,9 @@ class ContextualMemory(nn.Module):
         The kernel's normalizer applied to the scores beta cos(k_t, k_s) (minus the ALiBi
         bias m_h (t - s) when the config has it). Score kernels (every built-in one but FSKA)
         of a memory without visible intervals (the v1 block) only."""
-        if self.intervals:
-            raise ValueError("retrieval_weights: this memory uses visible intervals (windows, "
-                             "document masking or an adaptive bandwidth: v2 options); it covers "
-                             "the v1 memory only")
-        if not supports_score_bias(self.kernel):
-            raise ValueError(f"retrieval_weights: kernel {self.kernel.name!r} has no score "
-                             "normalizer (weights(cos, beta, mask)), so its weights are not "
-                             "one row of scores; use a score kernel")
+        reason = self.no_retrieval_weights()
+        if reason:
+            raise ValueError(f"retrieval_weights: {reason}")
         B, T, d = x.shape
         w = self.weights()
         k_raw = F.linear(x, w.kv[:d]).view(B, T, self.n_head, -1).transpose(1, 2)

@@ -346,7 +346,7 @@ def test_mqmtar_runs_log_the_recall_paths_at_every_validation(tmp_path, capsys):
     for key, value in fresh.items():
         assert evals[-1][f"val/{key}"] == pytest.approx(value, abs=1e-5)
 
-    result_file = tmp_path / "result.json"
+    result_file = tmp_path / "lr=1e-2.json"  # a bare path may hold an "="
     result_file.write_text(json.dumps({"job": {}, "results": results}))
     metrics = tmp_path / "runs" / "mqmtar-gaussian" / "metrics.jsonl"
     plot = tmp_path / "routes.png"
@@ -362,9 +362,12 @@ def test_mqmtar_runs_log_the_recall_paths_at_every_validation(tmp_path, capsys):
         assert cells[-1] == f"{row['val/second_mass']:.2f} |"
     assert plot.stat().st_size > 0
 
-    baseline = experiments.run_extrapolation("mqmtar", "llama", None, proto, seed=0,
-                                             progress=False)["runs"][0]
-    assert not any("val/direct_mass" in row for row in baseline["train"]["history"])
+    for arch, kernel in [("llama", None), ("mosaics-v2", "gaussian"), ("mosaics", "fska")]:
+        other = experiments.run_extrapolation("mqmtar", arch, kernel, proto, seed=0,
+                                              progress=False)["runs"][0]  # no map: no routes
+        rows = other["train"]["history"]
+        assert [r["step"] for r in rows if "val/exact_match" in r] == [2, 4]
+        assert not any("val/direct_mass" in row for row in rows)
 
 
 def test_path_logging_refuses_what_has_no_paths():

@@ -63,6 +63,10 @@ def test_the_weights_refuse_v2_memories_and_feature_kernels():
         v2.model.blocks[0].cmem.short.retrieval_weights(x)
     with pytest.raises(ValueError, match="no score normalizer"):
         tiny("fska").model.blocks[0].cmem.retrieval_weights(x)
+    assert not retrieval.has_retrieval_weights(v2)
+    assert not retrieval.has_retrieval_weights(tiny("fska"))
+    assert retrieval.has_retrieval_weights(tiny("relumax", alibi=True))
+    assert not retrieval.has_retrieval_weights(torch.nn.Linear(2, 2))
 
 
 @pytest.mark.parametrize("length", [64, 256])

@@ -619,8 +619,10 @@ def routes_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     histories: dict[str, list[dict[str, Any]]] = {}
     for arg in args.files:
-        label, sep, name = arg.rpartition("=")
-        path = Path(name if sep else arg)
+        label, sep, name = arg.partition("=")
+        if Path(arg).is_file() or not sep:  # a bare path (which may hold an "=")
+            label, name = "", arg
+        path = Path(name)
         if not path.is_file():
             p.error(f"{path}: no such file")
         try:

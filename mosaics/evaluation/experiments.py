@@ -316,10 +316,11 @@ def heldout_fingerprint(data: regbench.RegBenchData) -> str:
 class TaskExactMatch(Hook):
     """At every validation, the exact match and token accuracy of the validation samples and
     the wall time since training started, logged as extra rows of ``metrics.jsonl`` (and
-    merged into the trainer's history). With ``paths`` (MQMTAR, Memory Mosaics models), also
-    the recall's path masses at their best heads and the v1 / v2 token accuracy
-    (:func:`~mosaics.evaluation.retrieval.path_summary`, keys ``val/direct_mass``, ...,
-    ``val/v1_accuracy``) on the first ``PATH_SAMPLES`` validation samples."""
+    merged into the trainer's history). With ``paths`` (MQMTAR, a v1 Memory Mosaics model with
+    a score kernel: every kernel but FSKA), also the recall's path masses at their best heads
+    and the v1 / v2 token accuracy (:func:`~mosaics.evaluation.retrieval.path_summary`, keys
+    ``val/direct_mass``, ..., ``val/v1_accuracy``) on the first ``PATH_SAMPLES`` validation
+    samples."""
 
     PATH_SAMPLES = 32
 
@@ -445,7 +446,7 @@ def run_extrapolation(task: str, arch: str, kernel: str | None, proto: Extrapola
     name = _run_name(task, arch, kernel)
     run_dir = None if out_dir is None else Path(out_dir) / "runs" / name
     watch = TaskExactMatch(task, val, proto.batch_size, device,
-                           paths=task == "mqmtar" and is_mosaics(arch))
+                           paths=task == "mqmtar" and retrieval.has_retrieval_weights(model))
     info = fit_task_model(model, batches, val_batches, proto.steps, proto.lr, proto.weight_decay,
                           proto.warmup_frac, proto.eval_every, seed, device, proto.time_budget_s,
                           run_dir, progress, f"{label} {task}", hooks=[watch],

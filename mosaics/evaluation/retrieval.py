@@ -60,6 +60,16 @@ def memory_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
+def has_retrieval_weights(model: torch.nn.Module) -> bool:
+    """Whether every contextual memory of ``model`` can give its retrieval weights (a v1
+    memory with a score kernel); False for other models."""
+    try:
+        mems = memory_modules(model)
+    except ValueError:
+        return False
+    return all(m.no_retrieval_weights() is None for m in mems)
+
+
 @torch.no_grad()
 def head_bandwidths(model: torch.nn.Module) -> list[list[float]]:
     """The bandwidth beta_h of each layer's heads ([layer][head]) as the scores use it (beta
