@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import inspect
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -209,15 +210,17 @@ def decode(model: PreTrainedModel, prompt: torch.Tensor, new_tokens: int,
            clock: Callable[[], float]) -> tuple[float, float, tuple[int, int]]:
     """(prefill seconds, decoding seconds per new token, (state, weight) bytes of the cache
     after the last new token)."""
+    # transformers renamed past_key_values to cache (5.x); older 5.x releases know only the old name
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     t0 = clock()
     out = model(input_ids=prompt, use_cache=True)
     prefill = clock() - t0
-    cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    cache, nxt = out[name], out.logits[:, -1:].argmax(-1)
     del out
     t0 = clock()
     for _ in range(new_tokens):
-        out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
-        cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        out = model(input_ids=nxt, use_cache=True, **{name: cache})
+        cache, nxt = out[name], out.logits[:, -1:].argmax(-1)
     per_token = (clock() - t0) / new_tokens
     return prefill, per_token, storage_bytes(cache, set())
 
