@@ -118,6 +118,36 @@ def test_existing_results_are_skipped(tmp_path):
     assert not (tmp_path / "logs").exists()
 
 
+def test_a_job_another_sweep_is_running_is_left_to_it(tmp_path, monkeypatch):
+    """Two sweeps over one --out: the second neither runs nor fails the first's job."""
+    import subprocess
+    import sys
+
+    busy, free = (sweep.make_job("sort", m, preset="cpu") for m in ("gaussian", "llama"))
+    work = tmp_path / "jobs" / busy.name
+    work.mkdir(parents=True)
+    holder = subprocess.Popen(  # another live process holds the job's lock
+        [sys.executable, "-c", "import sys, time; from mosaics.training.rundir import RunLock; "
+         "RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)",
+         str(work)], stdout=subprocess.PIPE, text=True)
+    spawned = []
+    monkeypatch.setattr(sweep, "_spawn", lambda job, out, device, threads, save_model, children:
+                        (spawned.append(job), (job, 1, 0.0))[1])
+    lines = []
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        done = sweep.run_sweep([busy, free], tmp_path, report=lines.append)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert spawned == [free] and done["busy"] == [busy] and done["failed"] == [free]
+    assert f"1 to run, 1 left to the process that is running it ({busy.name})" in lines[0]
+    assert not sweep.failure_path(tmp_path, busy).exists()
+    spawned.clear()
+    sweep.run_sweep([busy], tmp_path, report=lines.append)  # its holder is gone: it runs
+    assert spawned == [busy]
+
+
 def test_threads_per_job_split_or_given(tmp_path, monkeypatch):
     assert sweep.threads_per_job(2, cores=8) == 4 and sweep.threads_per_job(16, cores=8) == 1
     seen = []

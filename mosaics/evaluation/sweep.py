@@ -520,7 +520,8 @@ def run_sweep(jobs: Sequence[Job], out: str | Path, parallel: int = 1, device: s
               save_model: bool = False) -> dict[str, list[Job]]:
     """Run the jobs without a result file; returns the skipped, finished, failed and stopped
     jobs (stopped: exit status 75, a checkpoint was written, or never started because the
-    sweep was stopped; the next sweep resumes them).
+    sweep was stopped; the next sweep resumes them), and the busy ones: those another live
+    process (a second sweep over the same ``out``) holds the lock of, left to it.
 
     ``executor="local"``: ``parallel`` processes at a time on this machine with ``threads``
     CPU threads each (default: the cores split between them). ``"slurm"``: one SLURM job array
@@ -529,13 +530,24 @@ def run_sweep(jobs: Sequence[Job], out: str | Path, parallel: int = 1, device: s
     Either way each job writes its own result file, so skip-done and resume are the same."""
     if executor not in EXECUTORS:
         raise ValueError(f"unknown executor {executor!r}; choose from {', '.join(EXECUTORS)}")
+    from ..training.rundir import live_holder
+
     out = Path(out)
-    done: dict[str, list[Job]] = {"skipped": [], "finished": [], "failed": [], "stopped": []}
+    done: dict[str, list[Job]] = {"skipped": [], "finished": [], "failed": [], "stopped": [],
+                                  "busy": []}
     todo = []
     for job in jobs:
-        (done["skipped"] if result_path(out, job).exists() else todo).append(job)
+        if result_path(out, job).exists():
+            done["skipped"].append(job)
+        elif live_holder(out / "jobs" / job.name) is not None:
+            done["busy"].append(job)  # another sweep over this --out is running it
+        else:
+            todo.append(job)
     resuming = sum(1 for job in todo if _checkpointed(out, job))
     to_run = f"{len(todo)} to run" + (f" ({resuming} from a checkpoint)" if resuming else "")
+    if done["busy"]:
+        to_run += (f", {len(done['busy'])} left to the process that is running it "
+                   f"({', '.join(j.name for j in done['busy'])})")
     if executor == "local":
         threads = threads or threads_per_job(parallel)
         report(f"{len(jobs)} jobs: {len(done['skipped'])} already done, {to_run}, "
