@@ -598,7 +598,9 @@ def _routes_parser(p: argparse.ArgumentParser) -> None:
 def _route_histories(path: Path, label: str | None) -> dict[str, list[dict[str, Any]]]:
     """{run label: its history rows} of one result file or metrics.jsonl."""
     if path.suffix == ".jsonl":
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        from ..training.metrics import read_metrics
+
+        rows = read_metrics(path)
         # <out>/jobs/<job>/runs/<run>/metrics.jsonl in a sweep: the job's name says more
         job = path.parent.parent
         return {label or (job.parent.name if job.name == "runs" else path.parent.name): rows}

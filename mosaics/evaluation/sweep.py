@@ -465,6 +465,7 @@ def job_state(out: Path, job: Job) -> str:
     process and host holding its lock, the step and validation exact match of its learning
     curve), ``stopped`` (the step of the checkpoint the next sweep resumes), ``failed`` (exit
     status) or ``todo``."""
+    from ..training.metrics import read_metrics
     from ..training.rundir import live_holder
 
     out = Path(out)
@@ -474,7 +475,7 @@ def job_state(out: Path, job: Job) -> str:
     work = out / "jobs" / job.name
     curve = ""
     for metrics in sorted(work.glob("runs/*/metrics.jsonl")):
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        rows = read_metrics(metrics)
         scored = [r for r in rows if "val/exact_match" in r]
         if rows:
             curve = f"step {rows[-1]['step']}" + (

@@ -90,6 +90,11 @@ def _mlflow_store(run_dir: Path) -> None:
         mlflow.set_tracking_uri((run_dir.resolve() / "mlruns").as_uri())
 
 
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` (as :class:`MetricsLog` writes them), in file order."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
 class MetricsLog:
     """Writes on the main process only; a resumed run first drops rows past its start step.
 
