@@ -141,7 +141,7 @@ def test_a_job_another_sweep_is_running_is_left_to_it(tmp_path, monkeypatch):
         holder.kill()
         holder.wait()
     assert spawned == [free] and done["busy"] == [busy] and done["failed"] == [free]
-    assert f"1 to run, 1 left to the process that is running it ({busy.name})" in lines[0]
+    assert f"1 to run, 1 left to the other sweep that holds it ({busy.name})" in lines[0]
     assert not sweep.failure_path(tmp_path, busy).exists()
     spawned.clear()
     sweep.run_sweep([busy], tmp_path, report=lines.append)  # its holder is gone: it runs

@@ -547,7 +547,8 @@ def run_sweep(jobs: Sequence[Job], out: str | Path, parallel: int = 1, device: s
     resuming = sum(1 for job in todo if _checkpointed(out, job))
     to_run = f"{len(todo)} to run" + (f" ({resuming} from a checkpoint)" if resuming else "")
     if done["busy"]:
-        to_run += (f", {len(done['busy'])} left to the process that is running it "
+        to_run += (f", {len(done['busy'])} left to the other sweep that holds "
+                   f"{'it' if len(done['busy']) == 1 else 'them'} "
                    f"({', '.join(j.name for j in done['busy'])})")
     if executor == "local":
         threads = threads or threads_per_job(parallel)
