@@ -1,7 +1,7 @@
 """The ``mosaics`` command (also ``python -m mosaics``).
 
     mosaics train [--config NAME_OR_PATH] [--print-config] [key=value | --key value ...]
-    mosaics eval {regbench,extrapolation,perplexity,sweep,compare-loss} ...
+    mosaics eval COMMAND ...               (`mosaics eval --help` lists the commands)
     mosaics convert-reference CKPT OUT_DIR [--tokenizer NAME_OR_PATH]
     mosaics configs {list,show,path,copy} ...
     mosaics bench SCRIPT [args ...]        (from a git checkout only)
@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("train", add_help=False,
                    help="pretrain a model (`mosaics train --help` for its options)")
     sub.add_parser("eval", add_help=False,
-                   help="evaluate: regbench | extrapolation | perplexity | sweep | compare-loss")
+                   help="evaluate (`mosaics eval --help` lists its commands)")
     sub.add_parser("bench", add_help=False,
                    help="run a benchmark script of a git checkout (bench/*.py)")
     conv = sub.add_parser(

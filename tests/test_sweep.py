@@ -518,3 +518,41 @@ def test_job_states_for_dry_run(tmp_path):
         f"todo     {todo.name} (an attempt reached step 40, val exact match 0.25, no checkpoint)")
     (step / "trainer_state.json").write_text("{ damaged")  # not intact: nothing to resume
     assert sweep.job_state(tmp_path, stopped).startswith("todo")
+
+
+def test_paper_figure_merges_seeds_across_sweeps_beside_the_paper(tmp_path, capsys):
+    """Result files of two settings, one model label: one row of two seeds, the paper's cells
+    in parentheses; files of another task or missing files are refused by name."""
+    from mosaics.evaluation import plots
+    from mosaics.evaluation.cli import main
+
+    files = []
+    for setting, model, seed, em in [("a", "mosaics/epanechnikov", 0, 1.0),
+                                     ("b", "mosaics/epanechnikov", 1, 0.5),
+                                     ("b", "llama", 0, 0.25)]:
+        job = sweep.make_job("mqmtar", model, seed=seed, preset="cpu-recall",
+                             overrides={"steps": 10 if setting == "a" else 20})
+        record = {"job": sweep._job_record(job), "seconds": 60.0, "results": {
+            "task": "mqmtar", "lengths": [64, 512], "seed": seed, "runs": [{
+                "label": job.label, "exact_match": {"64": em, "512": em / 2},
+                "token_accuracy": {"64": 1.0, "512": 0.5}, "train": {"steps": 2}}]}}
+        path = tmp_path / f"{job.name}.json"
+        write_json(path, record)
+        files.append(str(path))
+    assert main(["paper-figure", *files, "--out", str(tmp_path / "t.png")]) == 0
+    out = capsys.readouterr().out
+    # two settings, one row: seeds 1.0 and 0.5 -> 0.75 ± 0.354; the paper's 1.00 and 0.98 (8x)
+    assert "| mosaics/epanechnikov | 0.750 ± 0.354 (2) (1.00) | 0.375 ± 0.177 (2) (0.98) |" in out
+    assert "| llama | 0.250 (1.00) | 0.125 (0.09) |" in out
+    assert (tmp_path / "t.png").stat().st_size > 0
+    merged = sweep.extrapolation_rows([json.loads(Path(f).read_text()) for f in files])
+    fig_path = plots.plot_against_paper(merged, tmp_path / "u.png")
+    assert fig_path.stat().st_size > 0
+    regbench = tmp_path / "r.json"
+    write_json(regbench, {"job": {"task": "regbench"}, "results": {}})
+    with pytest.raises(SystemExit):
+        main(["paper-figure", files[0], str(regbench)])
+    assert "one extrapolation task" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["paper-figure", str(tmp_path / "t.png.missing")])
+    assert "no such file" in capsys.readouterr().err

@@ -672,6 +672,45 @@ def compare_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int
     return 0
 
 
+# --- paper-figure ------------------------------------------------------------------------------
+
+def _paper_figure_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("files", nargs="+", type=Path, metavar="FILE",
+                   help="sweep result files of one task (<out>/results/<job>.json), from any "
+                        "number of sweeps and settings; runs with the same model label are "
+                        "seeds of one row")
+    p.add_argument("--out", type=Path, help="PNG: one panel per model against the paper's "
+                                            "row (optional)")
+
+
+def paper_figure_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from . import sweep
+
+    records = []
+    for path in args.files:
+        if not path.is_file():
+            p.error(f"{path}: no such file")
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict) or "job" not in record or "results" not in record:
+            p.error(f"{path}: not a sweep result file (no 'job' and 'results'); pass the "
+                    "files under <out>/results of a sweep")
+        records.append(record)
+    tasks = sorted({rec["job"]["task"] for rec in records})
+    if len(tasks) != 1 or tasks[0] == "regbench":
+        p.error(f"the files hold tasks {tasks}: pass results of one extrapolation task "
+                "(sort or mqmtar)")
+    merged = sweep.extrapolation_rows(records)
+    print("exact match by test length, mean ± std over seeds; the paper's in parentheses\n")
+    print(sweep.extrapolation_markdown(merged))
+    print("\ntoken accuracy by test length\n")
+    print(sweep.extrapolation_markdown(merged, "token_accuracy"))
+    if args.out:
+        from .plots import plot_against_paper
+
+        print(f"plot: {plot_against_paper(merged, args.out)}")
+    return 0
+
+
 COMMANDS = {
     "regbench": (_regbench_parser, regbench_command,
                  "RegBench: train and score models (accuracy / TVD per training size, n-gram "
@@ -695,6 +734,9 @@ COMMANDS = {
                "(each path's best-head entry mass and the v1 / v2 accuracy per validation)"),
     "compare-loss": (_compare_parser, compare_command,
                      "table and figure of the loss by position of several perplexity.json"),
+    "paper-figure": (_paper_figure_parser, paper_figure_command,
+                     "Sort / MQMTAR: one table and one figure (a panel per model) of result "
+                     "files from any sweeps, seeds merged, beside the paper's rows"),
 }
 
 

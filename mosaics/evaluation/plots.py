@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -176,4 +177,51 @@ def plot_routes(histories: dict[str, list[dict[str, Any]]], path: str | Path) ->
     axes.flat[0].set_ylabel("best-head entry mass / accuracy")
     axes.flat[0].legend(fontsize=6)
     fig.suptitle("MQMTAR: the recall's routes during training (validation samples)")
+    return _save(fig, path)
+
+
+def plot_against_paper(merged: dict[str, Any], path: str | Path) -> Path:
+    """One panel per model: exact match against the test length as a multiple of the training
+    length, each seed a thin line, their mean a thick one, and the paper's row (where it has
+    one) dashed in black. ``merged`` is :func:`mosaics.evaluation.sweep.extrapolation_rows`."""
+    from . import paper
+
+    rows_order = list(paper.EXTRAPOLATION.get(merged["task"], {}))  # the paper's row order
+    labels = sorted(dict.fromkeys(r["label"] for r in merged["runs"]),
+                    key=lambda label: (rows_order.index(paper.paper_row(label))
+                                       if paper.paper_row(label) in rows_order
+                                       else len(rows_order)))
+    cols = min(4, len(labels))
+    rows = -(-len(labels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 2.9 * rows), squeeze=False,
+                             sharex=True, sharey=True)
+    for ax in axes.flat[len(labels):]:
+        ax.set_visible(False)
+    for ax, label in zip(axes.flat, labels):
+        runs = [r for r in merged["runs"] if r["label"] == label]
+        for run in runs:
+            xs = sorted(int(n) for n in run["exact_match"])
+            ax.plot([x / paper.TRAIN_LENGTH for x in xs],
+                    [run["exact_match"][str(x)] for x in xs], color="C0", alpha=0.35, lw=0.8)
+        xs, means, _ = _mean_std([(int(n) / paper.TRAIN_LENGTH, v) for r in runs
+                                  for n, v in r["exact_match"].items()])
+        ax.plot(xs, means, color="C0", marker="o", ms=3, lw=2, label="this project")
+        ref = [(x, paper.extrapolation_cell(merged["task"], label, int(x * paper.TRAIN_LENGTH)))
+               for x in xs]
+        ref = [(x, y) for x, y in ref if y is not None]
+        if ref:
+            ax.plot(*zip(*ref), "k--", marker="o", mfc="none", ms=4, lw=1, label="paper")
+        title = f"{label.removeprefix('mosaics/')} ({len(runs)} seed{'s' * (len(runs) > 1)})"
+        ax.set_title("\n".join(textwrap.wrap(title, 42)), fontsize=8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [f"{x:g}x" for x in xs], fontsize=7)
+        ax.minorticks_off()
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("test length / training length")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("exact match")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"{merged['task']}: exact match against the paper's table")
     return _save(fig, path)
