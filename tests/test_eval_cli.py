@@ -318,4 +318,3 @@ def test_slurm_executor_off_a_cluster_says_where_to_run(tmp_path, monkeypatch, c
     assert err.value.code == 2
     assert "needs SLURM's sbatch and srun on PATH" in capsys.readouterr().err
     assert not (tmp_path / "results").exists()
-
