@@ -186,11 +186,14 @@ def plot_against_paper(merged: dict[str, Any], path: str | Path) -> Path:
     one) dashed in black. ``merged`` is :func:`mosaics.evaluation.sweep.extrapolation_rows`."""
     from . import paper
 
-    rows_order = list(paper.EXTRAPOLATION.get(merged["task"], {}))  # the paper's row order
-    labels = sorted(dict.fromkeys(r["label"] for r in merged["runs"]),
-                    key=lambda label: (rows_order.index(paper.paper_row(label))
-                                       if paper.paper_row(label) in rows_order
-                                       else len(rows_order)))
+    task, unit = merged["task"], paper.TRAIN_LENGTH
+    order = list(paper.EXTRAPOLATION.get(task, {}))  # the paper's row order, then the rest
+
+    def rank(label: str) -> int:
+        row = paper.paper_row(label)
+        return order.index(row) if row in order else len(order)
+
+    labels = sorted(dict.fromkeys(r["label"] for r in merged["runs"]), key=rank)
     cols = min(4, len(labels))
     rows = -(-len(labels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 2.9 * rows), squeeze=False,
@@ -200,15 +203,15 @@ def plot_against_paper(merged: dict[str, Any], path: str | Path) -> Path:
     for ax, label in zip(axes.flat, labels):
         runs = [r for r in merged["runs"] if r["label"] == label]
         for run in runs:
-            xs = sorted(int(n) for n in run["exact_match"])
-            ax.plot([x / paper.TRAIN_LENGTH for x in xs],
-                    [run["exact_match"][str(x)] for x in xs], color="C0", alpha=0.35, lw=0.8)
-        xs, means, _ = _mean_std([(int(n) / paper.TRAIN_LENGTH, v) for r in runs
-                                  for n, v in r["exact_match"].items()])
+            lengths = sorted(int(n) for n in run["exact_match"])
+            ax.plot([n / unit for n in lengths], [run["exact_match"][str(n)] for n in lengths],
+                    color="C0", alpha=0.35, lw=0.8)
+        lengths, means, _ = _mean_std([(int(n), v) for r in runs
+                                       for n, v in r["exact_match"].items()])
+        xs = [n / unit for n in lengths]
         ax.plot(xs, means, color="C0", marker="o", ms=3, lw=2, label="this project")
-        ref = [(x, paper.extrapolation_cell(merged["task"], label, int(x * paper.TRAIN_LENGTH)))
-               for x in xs]
-        ref = [(x, y) for x, y in ref if y is not None]
+        ref = [(n / unit, y) for n in lengths
+               if (y := paper.extrapolation_cell(task, label, n)) is not None]
         if ref:
             ax.plot(*zip(*ref), "k--", marker="o", mfc="none", ms=4, lw=1, label="paper")
         title = f"{label.removeprefix('mosaics/')} ({len(runs)} seed{'s' * (len(runs) > 1)})"
@@ -223,5 +226,5 @@ def plot_against_paper(merged: dict[str, Any], path: str | Path) -> Path:
     for ax in axes[:, 0]:
         ax.set_ylabel("exact match")
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle(f"{merged['task']}: exact match against the paper's table")
+    fig.suptitle(f"{task}: exact match against the paper's table")
     return _save(fig, path)
