@@ -406,3 +406,35 @@ def test_the_routes_command_names_what_is_wrong(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["routes", str(log)])
     assert "logged no routes" in capsys.readouterr().err
+
+
+def test_data_seed_keeps_the_init_of_the_seed_and_takes_the_batches_of_another(monkeypatch):
+    """``data_seed`` splits a job's seed in two: (seed 1, data_seed 0) trains seed 1's initial
+    weights on seed 0's batches."""
+
+    from mosaics.evaluation import experiments
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def record(model, batches, *args, **kwargs):
+        seen["init"] = {k: v.clone() for k, v in model.state_dict().items()}
+        seen["batch"] = batches.batch(3)["input_ids"]
+        raise Stop
+
+    monkeypatch.setattr(experiments, "fit_task_model", record)
+
+    def start(seed, data_seed=None):
+        proto = replace(_tiny_sort_protocol(), data_seed=data_seed)
+        with pytest.raises(Stop):
+            experiments.run_extrapolation("sort", "mosaics", "gaussian", proto, seed=seed,
+                                          progress=False)
+        return dict(seen)
+
+    s0, s1, split = start(0), start(1), start(1, data_seed=0)
+    assert all(torch.equal(split["init"][k], s1["init"][k]) for k in s1["init"])
+    assert not all(torch.equal(s0["init"][k], s1["init"][k]) for k in s1["init"])
+    assert torch.equal(split["batch"], s0["batch"])
+    assert not torch.equal(s1["batch"], s0["batch"])

@@ -94,6 +94,9 @@ class ExtrapolationProtocol:
     min_lr: float | None = None
     pmem_size: int | None = None  # Memory Mosaics persistent-memory slots; None: 3.5 n_embd
     keep: str = "best"  # weights scored: "best" validation loss, or the "last" step's
+    # seed of the training batches; None: the job's seed, which also draws the model's init.
+    # Setting it apart tells an unlucky init from an unlucky order of training samples.
+    data_seed: int | None = None
 
 
 EXTRAPOLATION_PRESETS = {
@@ -442,7 +445,8 @@ def run_extrapolation(task: str, arch: str, kernel: str | None, proto: Extrapola
     label = _label(arch, kernel)
     torch.manual_seed(seed)
     model = extrapolation_model(task, arch, kernel, proto, kernel_kwargs, longest)
-    batches = tasks.RandomTaskBatches(task, proto.batch_size, proto.min_len, proto.max_len, seed)
+    batches = tasks.RandomTaskBatches(task, proto.batch_size, proto.min_len, proto.max_len,
+                                      seed if proto.data_seed is None else proto.data_seed)
     name = _run_name(task, arch, kernel)
     run_dir = None if out_dir is None else Path(out_dir) / "runs" / name
     watch = TaskExactMatch(task, val, proto.batch_size, device,
