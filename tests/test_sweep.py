@@ -2,11 +2,13 @@
 committed result files and job files, scheduler resources, and real tiny sweeps (local runner
 and submitit's local executor) in the integration tier."""
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -118,34 +120,60 @@ def test_existing_results_are_skipped(tmp_path):
     assert not (tmp_path / "logs").exists()
 
 
-def test_a_job_another_sweep_is_running_is_left_to_it(tmp_path, monkeypatch):
-    """Two sweeps over one --out: the second neither runs nor fails the first's job."""
-    import subprocess
-    import sys
-
-    busy, free = (sweep.make_job("sort", m, preset="cpu") for m in ("gaussian", "llama"))
-    work = tmp_path / "jobs" / busy.name
-    work.mkdir(parents=True)
-    holder = subprocess.Popen(  # another live process holds the job's lock
+@contextlib.contextmanager
+def _lock_held_elsewhere(work):
+    """Another live process holds the run lock of the folder ``work`` while inside."""
+    work.mkdir(parents=True, exist_ok=True)
+    holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from mosaics.training.rundir import RunLock; "
          "RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)",
          str(work)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_job_another_sweep_is_running_is_left_to_it(tmp_path, monkeypatch):
+    """Two sweeps over one --out: the second neither runs nor fails the first's job."""
+    busy, free = (sweep.make_job("sort", m, preset="cpu") for m in ("gaussian", "llama"))
     spawned = []
     monkeypatch.setattr(sweep, "_spawn", lambda job, out, device, threads, save_model, children:
                         (spawned.append(job), (job, 1, 0.0))[1])
     lines = []
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with _lock_held_elsewhere(tmp_path / "jobs" / busy.name):
         done = sweep.run_sweep([busy, free], tmp_path, report=lines.append)
-    finally:
-        holder.kill()
-        holder.wait()
     assert spawned == [free] and done["busy"] == [busy] and done["failed"] == [free]
     assert f"1 to run, 1 left to the other sweep that holds it ({busy.name})" in lines[0]
     assert not sweep.failure_path(tmp_path, busy).exists()
     spawned.clear()
     sweep.run_sweep([busy], tmp_path, report=lines.append)  # its holder is gone: it runs
     assert spawned == [busy]
+
+
+def test_a_job_taken_or_finished_after_the_listing_is_left_alone(tmp_path, monkeypatch):
+    """A second sweep over the same --out takes (or finishes) a job after the first listed it:
+    the first neither starts a process that fails on the lock nor trains a finished job again,
+    and writes no failure record or log for it."""
+    taken, finished = (sweep.make_job("sort", m, preset="cpu") for m in ("gaussian", "llama"))
+    with _lock_held_elsewhere(tmp_path / "jobs" / taken.name):
+        assert sweep._spawn(taken, tmp_path, "cpu", 1) == (taken, sweep.EXIT_BUSY, 0.0)
+        # ... and if its process starts all the same (the race), it exits with the same status
+        argv = ["--job", json.dumps(asdict(taken)), "--out", str(tmp_path)]
+        assert sweep._child_main(argv) == sweep.EXIT_BUSY
+    _fake_extrapolation(tmp_path, finished, 0.5)
+    assert sweep._spawn(finished, tmp_path, "cpu", 1) == (finished, 0, 0.0)
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "failed").exists()
+
+    monkeypatch.setattr(sweep, "_spawn", lambda job, out, device, threads, save_model, children:
+                        (job, sweep.EXIT_BUSY, 0.0))
+    lines = []
+    done = sweep.run_sweep([taken], tmp_path, report=lines.append)
+    assert done["busy"] == [taken] and not done["failed"]
+    assert f"BUSY   {taken.name}" in lines[-1]
+    assert not sweep.failure_path(tmp_path, taken).exists()
 
 
 def test_threads_per_job_split_or_given(tmp_path, monkeypatch):

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ..training.rundir import RunLock
+from ..training.rundir import RunBusy, RunLock, live_holder
 from ..training.signals import EXIT_PREEMPTED
 from . import paper
 from .models import MOSAICS_ARCHS, check_config_changes, is_mosaics, saved_label
@@ -397,6 +397,9 @@ class _Children:
 
 
 NOT_STARTED = "not started: the sweep was stopped"
+# exit status of a job's process that found its lock held by another live process (a second
+# sweep over the same --out took the job after this sweep listed it): left to that sweep
+EXIT_BUSY = 73
 # signal names a job's process ignores (a scheduler's warning meant for the task that runs it)
 IGNORE_ENV = "MOSAICS_IGNORE_SIGNALS"
 
@@ -411,6 +414,12 @@ def _spawn(job: Job, out: Path, device: str, threads: int, save_model: bool = Fa
     if children is not None and children.stopped_by:
         children.not_started.add(job.name)
         return job, EXIT_PREEMPTED, 0.0
+    # Another sweep over this --out may have finished or taken the job since this one listed
+    # it: neither train it again (its result would be overwritten) nor start a second process.
+    if result_path(out, job).exists():
+        return job, 0, 0.0
+    if live_holder(out / "jobs" / job.name) is not None:
+        return job, EXIT_BUSY, 0.0
     log = out / "logs" / f"{job.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -466,7 +475,6 @@ def job_state(out: Path, job: Job) -> str:
     curve), ``stopped`` (the step of the checkpoint the next sweep resumes), ``failed`` (exit
     status) or ``todo``."""
     from ..training.metrics import read_metrics
-    from ..training.rundir import live_holder
 
     out = Path(out)
     if result_path(out, job).exists():
@@ -531,7 +539,6 @@ def run_sweep(jobs: Sequence[Job], out: str | Path, parallel: int = 1, device: s
     Either way each job writes its own result file, so skip-done and resume are the same."""
     if executor not in EXECUTORS:
         raise ValueError(f"unknown executor {executor!r}; choose from {', '.join(EXECUTORS)}")
-    from ..training.rundir import live_holder
 
     out = Path(out)
     done: dict[str, list[Job]] = {"skipped": [], "finished": [], "failed": [], "stopped": [],
@@ -567,7 +574,12 @@ def run_sweep(jobs: Sequence[Job], out: str | Path, parallel: int = 1, device: s
         if status == 0 and result_path(out, job).exists():
             failure_path(out, job).unlink(missing_ok=True)
             done["finished"].append(job)
-            report(f"[{i}/{len(todo)}] done   {job.name} ({seconds:.0f} s)")
+            report(f"[{i}/{len(todo)}] done   {job.name} "
+                   + (f"({seconds:.0f} s)" if seconds else "(by another sweep over this folder)"))
+        elif status == EXIT_BUSY:
+            done["busy"].append(job)
+            report(f"[{i}/{len(todo)}] BUSY   {job.name} (another sweep over this folder "
+                   "took it after this one started; left to it)")
         elif status == EXIT_PREEMPTED:
             done["stopped"].append(job)
             report(f"[{i}/{len(todo)}] STOPPED {job.name} ("
@@ -823,6 +835,9 @@ def _child_main(argv: list[str] | None = None) -> int:
     except RunPreempted as stop:
         print(stop, flush=True)
         return EXIT_PREEMPTED
+    except RunBusy as busy:  # taken by another sweep between its check and this start
+        print(busy, flush=True)
+        return EXIT_BUSY
     except Exception:  # noqa: BLE001  (the whole traceback goes to the job's log)
         traceback.print_exc()
         return 1

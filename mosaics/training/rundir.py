@@ -104,6 +104,10 @@ def live_holder(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     return holder
 
 
+class RunBusy(ConfigError):
+    """The run lock is held by another live process."""
+
+
 class RunLock:
     """``<run_dir>/.lock``, created atomically (a complete file linked into place)."""
 
@@ -113,7 +117,7 @@ class RunLock:
 
     def acquire(self) -> str | None:
         """Take the lock, replacing a stale one (returns a note saying so); raise
-        ``ConfigError`` naming the holder while another run may be using the folder."""
+        :class:`RunBusy` naming the holder while another run may be using the folder."""
         me = _identity()
         note = None
         for _ in range(3):
@@ -125,7 +129,7 @@ class RunLock:
                 continue
             reason = stale_reason(holder, me)
             if reason is None:
-                raise ConfigError(self._busy_message(holder, me))
+                raise RunBusy(self._busy_message(holder, me))
             note = (f"{self.path}: replaced the lock of PID {holder.get('pid')} on "
                     f"{holder.get('host')} ({reason})")
             self.path.unlink(missing_ok=True)
