@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -161,8 +160,10 @@ def test_a_job_taken_or_finished_after_the_listing_is_left_alone(tmp_path, monke
     with _lock_held_elsewhere(tmp_path / "jobs" / taken.name):
         assert sweep._spawn(taken, tmp_path, "cpu", 1) == (taken, sweep.EXIT_BUSY, 0.0)
         # ... and if its process starts all the same (the race), it exits with the same status
-        argv = ["--job", json.dumps(asdict(taken)), "--out", str(tmp_path)]
-        assert sweep._child_main(argv) == sweep.EXIT_BUSY
+        child = subprocess.run(sweep._child_command(taken, tmp_path, "cpu"),
+                               env=sweep._child_env(1), capture_output=True, text=True)
+        assert child.returncode == sweep.EXIT_BUSY, child.stdout + child.stderr
+        assert "is in use by PID" in child.stdout
     _fake_extrapolation(tmp_path, finished, 0.5)
     assert sweep._spawn(finished, tmp_path, "cpu", 1) == (finished, 0, 0.0)
     assert not (tmp_path / "logs").exists() and not (tmp_path / "failed").exists()
