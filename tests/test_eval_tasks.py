@@ -120,6 +120,31 @@ def test_batches_are_seeded_and_within_lengths():
         tasks.mqmtar_sample(np.random.default_rng(0), 7)
 
 
+def test_length_curriculum_grows_from_one_pair_to_the_full_range():
+    """Batch i < N draws lengths from a range that grows linearly from the task's shortest
+    sample (MQMTAR: one key-value pair) to U{min..max}; from batch N on, no change."""
+    plain = tasks.RandomTaskBatches("mqmtar", 16, 32, 64, seed=3)
+    grown = tasks.RandomTaskBatches("mqmtar", 16, 32, 64, seed=3, curriculum_steps=100)
+    assert grown.lengths(0) == (8, 8) and grown.lengths(50) == (20, 36)
+    assert grown.lengths(100) == grown.lengths(5000) == (32, 64)
+
+    def pairs(batch):  # key-value blocks per sample: one KVSEP each
+        return (batch["input_ids"] == tasks.KVSEP).sum(1)
+
+    assert bool((pairs(grown.batch(0)) == 1).all())
+    assert bool((pairs(plain.batch(0)) >= 4).all())
+    middle = pairs(grown.batch(50))  # lengths 20..36: 2..4 pairs
+    assert bool(((middle >= 2) & (middle <= 4)).all())
+    for i in (100, 101, 4000):
+        assert torch.equal(grown.batch(i)["input_ids"], plain.batch(i)["input_ids"])
+    with pytest.raises(ValueError, match="same task settings"):
+        grown.load_state_dict(plain.state_dict())
+    plain.load_state_dict({"task": "mqmtar", "batch_size": 16, "min_len": 32, "max_len": 64,
+                           "seed": 3})  # a checkpoint written before the option resumes
+    with pytest.raises(ValueError, match="curriculum_steps must be >= 0"):
+        tasks.RandomTaskBatches("sort", 4, 8, 12, seed=0, curriculum_steps=-1)
+
+
 def _fit_sort(keep: str, **schedule):
     from mosaics.evaluation.experiments import (
         EXTRAPOLATION_PRESETS,
@@ -422,12 +447,14 @@ def test_data_seed_keeps_the_init_of_the_seed_and_takes_the_batches_of_another(m
     def record(model, batches, *args, **kwargs):
         seen["init"] = {k: v.clone() for k, v in model.state_dict().items()}
         seen["batch"] = batches.batch(3)["input_ids"]
+        seen["first lengths"] = batches.lengths(0)
         raise Stop
 
     monkeypatch.setattr(experiments, "fit_task_model", record)
 
-    def start(seed, data_seed=None):
-        proto = replace(_tiny_sort_protocol(), data_seed=data_seed)
+    def start(seed, data_seed=None, curriculum_steps=0):
+        proto = replace(_tiny_sort_protocol(), data_seed=data_seed,
+                        curriculum_steps=curriculum_steps)
         with pytest.raises(Stop):
             experiments.run_extrapolation("sort", "mosaics", "gaussian", proto, seed=seed,
                                           progress=False)
@@ -438,3 +465,7 @@ def test_data_seed_keeps_the_init_of_the_seed_and_takes_the_batches_of_another(m
     assert not all(torch.equal(s0["init"][k], s1["init"][k]) for k in s1["init"])
     assert torch.equal(split["batch"], s0["batch"])
     assert not torch.equal(s1["batch"], s0["batch"])
+    # the protocol's curriculum reaches the batches (Sort's shortest sample: 2 tokens)
+    proto = _tiny_sort_protocol()
+    assert s0["first lengths"] == (proto.min_len, proto.max_len)
+    assert start(0, curriculum_steps=10)["first lengths"] == (2, 2)

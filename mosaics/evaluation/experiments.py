@@ -97,6 +97,10 @@ class ExtrapolationProtocol:
     # seed of the training batches; None: the job's seed, which also draws the model's init.
     # Setting it apart tells an unlucky init from an unlucky order of training samples.
     data_seed: int | None = None
+    # training lengths grown over the first N steps from the task's shortest sample (MQMTAR:
+    # one key-value pair) to U{min_len..max_len} (tasks.RandomTaskBatches); 0: none, as in
+    # the paper's code. Validation and test sets are not affected.
+    curriculum_steps: int = 0
 
 
 EXTRAPOLATION_PRESETS = {
@@ -446,7 +450,8 @@ def run_extrapolation(task: str, arch: str, kernel: str | None, proto: Extrapola
     torch.manual_seed(seed)
     model = extrapolation_model(task, arch, kernel, proto, kernel_kwargs, longest)
     batches = tasks.RandomTaskBatches(task, proto.batch_size, proto.min_len, proto.max_len,
-                                      seed if proto.data_seed is None else proto.data_seed)
+                                      seed if proto.data_seed is None else proto.data_seed,
+                                      proto.curriculum_steps)
     name = _run_name(task, arch, kernel)
     run_dir = None if out_dir is None else Path(out_dir) / "runs" / name
     watch = TaskExactMatch(task, val, proto.batch_size, device,

@@ -125,26 +125,50 @@ def exact_match(logits: Tensor, input_ids: Tensor, score_mask: Tensor) -> Tensor
     return ok.all(-1)
 
 
+# the shortest sample of each task: MQMTAR's one key-value pair (8 tokens), Sort's 2 tokens
+SHORTEST = {"sort": 2, "mqmtar": 8}
+
+
 class RandomTaskBatches:
     """Endless training batches of a task; each sample's length ~ U{min_len..max_len}.
+
+    ``curriculum_steps`` N > 0 grows the lengths over the first N batches: batch i < N draws
+    from U{lo(i)..hi(i)} with lo(i) = s + (min_len - s) i / N and hi(i) = s + (max_len - s) i / N
+    (rounded; s: the task's shortest sample, MQMTAR's one key-value pair), so training starts
+    on one or two pairs and reaches the full range at batch N.
 
     ``batch(i)`` is a pure function of (task, sizes, seed, i), so a resumed run is exact."""
 
     def __init__(self, task: str, batch_size: int, min_len: int, max_len: int,
-                 seed: int) -> None:
+                 seed: int, curriculum_steps: int = 0) -> None:
+        if curriculum_steps < 0:
+            raise ValueError(f"curriculum_steps must be >= 0 (0: no curriculum), "
+                             f"got {curriculum_steps}")
         self.task, self.batch_size, self.min_len, self.max_len = task, batch_size, min_len, max_len
-        self.seed = seed
+        self.seed, self.curriculum_steps = seed, curriculum_steps
+
+    def lengths(self, index: int) -> tuple[int, int]:
+        """(lo, hi): the range of sample lengths of batch ``index``."""
+        if index >= self.curriculum_steps:
+            return self.min_len, self.max_len
+        start, frac = min(SHORTEST[self.task], self.min_len), index / self.curriculum_steps
+        return (round(start + (self.min_len - start) * frac),
+                round(start + (self.max_len - start) * frac))
 
     def batch(self, index: int) -> dict[str, Tensor]:
         rng = np.random.default_rng([self.seed, 7, index])
-        lens = rng.integers(self.min_len, self.max_len + 1, size=self.batch_size)
+        lo, hi = self.lengths(index)
+        lens = rng.integers(lo, hi + 1, size=self.batch_size)
         batch = collate([SAMPLERS[self.task](rng, int(n)) for n in lens], TASKS[self.task].pad)
         batch.pop("score_mask")
         return batch
 
     def state_dict(self) -> dict:
-        return {"task": self.task, "batch_size": self.batch_size, "min_len": self.min_len,
-                "max_len": self.max_len, "seed": self.seed}
+        state = {"task": self.task, "batch_size": self.batch_size, "min_len": self.min_len,
+                 "max_len": self.max_len, "seed": self.seed}
+        if self.curriculum_steps:  # absent when 0, as in checkpoints written before the option
+            state["curriculum_steps"] = self.curriculum_steps
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state != self.state_dict():
