@@ -165,7 +165,8 @@ def test_a_job_taken_or_finished_after_the_listing_is_left_alone(tmp_path, monke
         assert child.returncode == sweep.EXIT_BUSY, child.stdout + child.stderr
         assert "is in use by PID" in child.stdout
     _fake_extrapolation(tmp_path, finished, 0.5)
-    assert sweep._spawn(finished, tmp_path, "cpu", 1) == (finished, 0, 0.0)
+    assert sweep._spawn(finished, tmp_path, "cpu", 1) == (finished, sweep.EXIT_DONE_ELSEWHERE,
+                                                          0.0)
     assert not (tmp_path / "logs").exists() and not (tmp_path / "failed").exists()
 
     monkeypatch.setattr(sweep, "_spawn", lambda job, out, device, threads, save_model, children:
@@ -175,6 +176,15 @@ def test_a_job_taken_or_finished_after_the_listing_is_left_alone(tmp_path, monke
     assert done["busy"] == [taken] and not done["failed"]
     assert f"BUSY   {taken.name}" in lines[-1]
     assert not sweep.failure_path(tmp_path, taken).exists()
+
+    # a job another sweep finished after this one listed it counts as finished, said so
+    later = sweep.make_job("sort", "epanechnikov", preset="cpu")
+    monkeypatch.setattr(sweep, "_spawn", lambda job, out, device, threads, save_model, children:
+                        (_fake_extrapolation(tmp_path, job, 0.5),
+                         (job, sweep.EXIT_DONE_ELSEWHERE, 0.0))[1])
+    done = sweep.run_sweep([later], tmp_path, report=lines.append)
+    assert done["finished"] == [later] and not done["failed"]
+    assert f"done   {later.name} (by another sweep over this folder)" in lines[-1]
 
 
 def test_threads_per_job_split_or_given(tmp_path, monkeypatch):

@@ -400,6 +400,9 @@ NOT_STARTED = "not started: the sweep was stopped"
 # exit status of a job's process that found its lock held by another live process (a second
 # sweep over the same --out took the job after this sweep listed it): left to that sweep
 EXIT_BUSY = 73
+# what _spawn reports, without starting a process, for a job whose result file another sweep
+# over the same --out wrote after this sweep listed it (no job process exits with it)
+EXIT_DONE_ELSEWHERE = 74
 # signal names a job's process ignores (a scheduler's warning meant for the task that runs it)
 IGNORE_ENV = "MOSAICS_IGNORE_SIGNALS"
 
@@ -417,7 +420,7 @@ def _spawn(job: Job, out: Path, device: str, threads: int, save_model: bool = Fa
     # Another sweep over this --out may have finished or taken the job since this one listed
     # it: neither train it again (its result would be overwritten) nor start a second process.
     if result_path(out, job).exists():
-        return job, 0, 0.0
+        return job, EXIT_DONE_ELSEWHERE, 0.0
     if live_holder(out / "jobs" / job.name) is not None:
         return job, EXIT_BUSY, 0.0
     log = out / "logs" / f"{job.name}.log"
@@ -571,11 +574,12 @@ def run_sweep(jobs: Sequence[Job], out: str | Path, parallel: int = 1, device: s
         outcomes = cluster.submit(todo, out, device, resources or cluster.Resources(),
                                   executor, save_model, report) if todo else iter(())
     for i, (job, status, seconds, reason) in enumerate(outcomes, 1):
-        if status == 0 and result_path(out, job).exists():
+        if status in (0, EXIT_DONE_ELSEWHERE) and result_path(out, job).exists():
             failure_path(out, job).unlink(missing_ok=True)
             done["finished"].append(job)
             report(f"[{i}/{len(todo)}] done   {job.name} "
-                   + (f"({seconds:.0f} s)" if seconds else "(by another sweep over this folder)"))
+                   + (f"({seconds:.0f} s)" if status == 0
+                      else "(by another sweep over this folder)"))
         elif status == EXIT_BUSY:
             done["busy"].append(job)
             report(f"[{i}/{len(todo)}] BUSY   {job.name} (another sweep over this folder "
