@@ -134,8 +134,8 @@ class RandomTaskBatches:
 
     ``curriculum_steps`` N > 0 grows the lengths over the first N batches: batch i < N draws
     from U{lo(i)..hi(i)} with lo(i) = s + (min_len - s) i / N and hi(i) = s + (max_len - s) i / N
-    (rounded; s: the task's shortest sample, MQMTAR's one key-value pair), so training starts
-    on one or two pairs and reaches the full range at batch N.
+    (rounded; s: the task's shortest sample, MQMTAR's one key-value pair), so MQMTAR training
+    starts on one pair and reaches the full range at batch N.
 
     ``batch(i)`` is a pure function of (task, sizes, seed, i), so a resumed run is exact."""
 
