@@ -38,10 +38,12 @@ class TaskSpec:
     eos: int
     pad: int
     n_layer: int
+    shortest: int  # the shortest sample's context (MQMTAR: one key-value pair)
 
 
-SORT = TaskSpec("sort", vocab_size=36, bos=32, sep=33, eos=34, pad=35, n_layer=2)
-MQMTAR = TaskSpec("mqmtar", vocab_size=263, bos=256, sep=257, eos=258, pad=259, n_layer=4)
+SORT = TaskSpec("sort", vocab_size=36, bos=32, sep=33, eos=34, pad=35, n_layer=2, shortest=2)
+MQMTAR = TaskSpec("mqmtar", vocab_size=263, bos=256, sep=257, eos=258, pad=259, n_layer=4,
+                  shortest=8)
 KVSEP, QSEP, FILL = 260, 261, 262
 N_QUERIES = 4
 TASKS = {"sort": SORT, "mqmtar": MQMTAR}
@@ -76,7 +78,8 @@ def mqmtar_sample(rng: np.random.Generator, length: int) -> Sample:
     """MQMTAR with a context of ``length`` tokens (see the module docstring)."""
     num_kv = int(0.8 * length // 6)
     if num_kv < 1:
-        raise ValueError(f"MQMTAR needs length >= 8 (one key-value pair), got {length}")
+        raise ValueError(f"MQMTAR needs length >= {MQMTAR.shortest} (one key-value pair), "
+                         f"got {length}")
     codes = rng.choice(256 * 256, size=num_kv, replace=False)
     keys = [(int(c) // 256, int(c) % 256) for c in codes]
     values = [(int(a), int(b)) for a, b in rng.integers(0, 256, size=(num_kv, 2))]
@@ -125,10 +128,6 @@ def exact_match(logits: Tensor, input_ids: Tensor, score_mask: Tensor) -> Tensor
     return ok.all(-1)
 
 
-# the shortest sample of each task: MQMTAR's one key-value pair (8 tokens), Sort's 2 tokens
-SHORTEST = {"sort": 2, "mqmtar": 8}
-
-
 class RandomTaskBatches:
     """Endless training batches of a task; each sample's length ~ U{min_len..max_len}.
 
@@ -151,7 +150,7 @@ class RandomTaskBatches:
         """(lo, hi): the range of sample lengths of batch ``index``."""
         if index >= self.curriculum_steps:
             return self.min_len, self.max_len
-        start, frac = min(SHORTEST[self.task], self.min_len), index / self.curriculum_steps
+        start, frac = min(TASKS[self.task].shortest, self.min_len), index / self.curriculum_steps
         return (round(start + (self.min_len - start) * frac),
                 round(start + (self.max_len - start) * frac))
 
