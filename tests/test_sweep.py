@@ -595,3 +595,30 @@ def test_paper_figure_merges_seeds_across_sweeps_beside_the_paper(tmp_path, caps
     with pytest.raises(SystemExit):
         main(["paper-figure", str(tmp_path / "t.png.missing")])
     assert "no such file" in capsys.readouterr().err
+
+
+def test_job_file_takes_command_line_settings_last(tmp_path):
+    (tmp_path / "jobs.yaml").write_text(
+        "defaults: {task: mqmtar, preset: cpu-recall, overrides: {steps: 6000, batch_size: 64}}\n"
+        "grid: {task: sort, model: gaussian}\n"
+        "jobs:\n"
+        "  - {model: epanechnikov, overrides: {batch_size: 32, alibi: true}}\n"
+        "  - {task: regbench, model: gpt2, size: 500, preset: cpu}\n")
+    plain = {j.task: j for j in sweep.load_job_file(tmp_path / "jobs.yaml")[0]}
+    moved = {j.task: j for j in sweep.load_job_file(tmp_path / "jobs.yaml",
+                                                    {"batch_size": 256})[0]}
+    assert plain["mqmtar"].overrides == {"steps": 6000, "batch_size": 32, "alibi": True}
+    assert moved["mqmtar"].overrides == {"steps": 6000, "batch_size": 256, "alibi": True}
+    assert moved["sort"].overrides["batch_size"] == 256
+    assert moved["mqmtar"].name != plain["mqmtar"].name
+    assert moved["regbench"].overrides == {"batch_size": 256}
+
+
+def test_grid_flags_with_a_job_file_are_refused(tmp_path, capsys):
+    from mosaics.evaluation.cli import main
+
+    (tmp_path / "jobs.yaml").write_text("jobs: [{task: sort, model: llama}]\n")
+    with pytest.raises(SystemExit):
+        main(["sweep", "--file", str(tmp_path / "jobs.yaml"), "--seed", "3", "--dry-run",
+              "--out", str(tmp_path / "out")])
+    assert "--seed choose a grid and do nothing with --file" in capsys.readouterr().err

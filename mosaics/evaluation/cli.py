@@ -328,7 +328,8 @@ def _sweep_parser(p: argparse.ArgumentParser) -> None:
                    help="protocol preset of each task (reference, cpu, ...)")
     p.add_argument("--set", dest="settings", type=setting_arg, action="append", default=[],
                    metavar="KEY=VALUE", help="protocol override, e.g. --set steps=2000 "
-                   "--set multipliers=[1,2]; applied to the tasks whose protocol has KEY")
+                   "--set multipliers=[1,2]; applied to the tasks whose protocol has KEY (with "
+                   "--file: on top of each job's own settings)")
     p.add_argument("--kernel-kwargs", type=kernel_kwargs_arg, default=None)
     p.add_argument("--file", help="YAML/JSON job file (instead of --task ...)")
     p.add_argument("--suite", choices=["paper"], help="paper: every job of the sparse-kernel "
@@ -351,7 +352,15 @@ def sweep_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.suite:
             jobs, notes = sweep.paper_jobs(args.seed, args.preset, dict(args.settings)), []
         elif args.file:
-            jobs, notes = sweep.load_job_file(args.file)
+            ignored = [flag for flag, value, default in (
+                ("--model", args.model, ["mosaics/gaussian"]), ("--seed", args.seed, [0]),
+                ("--size", args.size, [1000]), ("--preset", args.preset, "reference"),
+                ("--kernel-kwargs", args.kernel_kwargs, None)) if value != default]
+            if ignored:
+                p.error(f"{', '.join(ignored)} choose a grid and do nothing with --file; put "
+                        "them in the job file (defaults: or each job), or use --set KEY=VALUE, "
+                        "which applies on top of the file's jobs")
+            jobs, notes = sweep.load_job_file(args.file, dict(args.settings))
             resources = sweep.job_file_resources(args.file)
         else:
             jobs, notes = sweep.expand_jobs(args.task, args.model, args.seed, args.size,

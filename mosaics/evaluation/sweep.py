@@ -217,11 +217,14 @@ def _as_list(value: Any) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def load_job_file(path: str | Path) -> tuple[list[Job], list[str]]:
+def load_job_file(path: str | Path, overrides: dict[str, Any] | None = None
+                  ) -> tuple[list[Job], list[str]]:
     """Jobs from YAML or JSON: a mapping with optional ``defaults`` (preset, overrides,
     kernel_kwargs, seed, size), ``grid`` (lists of task / model / seed / size, expanded as a
     cartesian product), ``jobs`` (a list of single jobs) and ``resources`` (scheduler
-    requests, :func:`job_file_resources`); a bare list means ``jobs``."""
+    requests, :func:`job_file_resources`); a bare list means ``jobs``. ``overrides`` (the
+    command line's ``--set``) have the last word over the file's, for every job whose task's
+    protocol has the key."""
     import yaml
 
     try:
@@ -234,6 +237,7 @@ def load_job_file(path: str | Path) -> tuple[list[Job], list[str]]:
         raise ValueError(f"job file {path}: expected a mapping with 'grid' and/or 'jobs', "
                          "or a list of jobs")
     defaults = dict(spec.get("defaults") or {})
+    last = dict(overrides or {})
     jobs: dict[str, Job] = {}
     notes: list[str] = []
     if spec.get("grid"):
@@ -241,11 +245,12 @@ def load_job_file(path: str | Path) -> tuple[list[Job], list[str]]:
         found, notes = expand_jobs(
             _as_list(grid["task"]), _as_list(grid["model"]), _as_list(grid.get("seed", 0)),
             _as_list(grid.get("size", 1000)), grid.get("preset", "reference"),
-            grid.get("overrides"), grid.get("kernel_kwargs"))
+            {**(grid.get("overrides") or {}), **last}, grid.get("kernel_kwargs"))
         jobs.update((j.name, j) for j in found)
     for entry in spec.get("jobs") or []:
         item = {**defaults, **entry}
-        item["overrides"] = {**(defaults.get("overrides") or {}), **(entry.get("overrides") or {})}
+        item["overrides"] = {**(defaults.get("overrides") or {}), **(entry.get("overrides") or {}),
+                             **last}
         if item["task"] != "regbench":
             item.pop("size", None)
         job = make_job(**item)
