@@ -352,10 +352,9 @@ def sweep_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.suite:
             jobs, notes = sweep.paper_jobs(args.seed, args.preset, dict(args.settings)), []
         elif args.file:
-            ignored = [flag for flag, value, default in (
-                ("--model", args.model, ["mosaics/gaussian"]), ("--seed", args.seed, [0]),
-                ("--size", args.size, [1000]), ("--preset", args.preset, "reference"),
-                ("--kernel-kwargs", args.kernel_kwargs, None)) if value != default]
+            ignored = ["--" + dest.replace("_", "-")
+                       for dest in ("model", "seed", "size", "preset", "kernel_kwargs")
+                       if getattr(args, dest) != p.get_default(dest)]
             if ignored:
                 p.error(f"{', '.join(ignored)} choose a grid and do nothing with --file; put "
                         "them in the job file (defaults: or each job), or use --set KEY=VALUE, "
