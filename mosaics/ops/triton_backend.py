@@ -1,0 +1,112 @@
+"""When the fused Triton kernels run, and how they run on a CPU (Triton's interpreter).
+
+One switch, the environment variable ``MOSAICS_FUSED``:
+
+- ``0``: never; every kernel takes its chunked PyTorch path (the reference);
+- unset (default): the fused kernels run on CUDA tensors, the chunked path on CPU;
+- ``1``: always; on CPU tensors the Triton kernels run under Triton's interpreter
+  (numpy, slow: for checking them without a GPU, at small shapes).
+
+A Triton kernel module (plain ``@triton.jit`` functions at module level) is loaded through
+:func:`triton_module`, once per mode: compiled for CUDA tensors, interpreted for CPU tensors.
+The same process can therefore check the interpreted kernels on CPU and run the compiled ones
+on a GPU. A kernel that cannot take its fused path where the switch asks for it says why once
+(:func:`note_path`, logged), and the path each kernel took last is kept for
+``bench/gpu_check.py`` (:data:`PATHS`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+ENV_SWITCH = "MOSAICS_FUSED"
+PATHS: dict[str, str] = {}  # kernel name -> "fused" / "chunked: <why>" of its last retrieval
+_LOGGED: set[tuple[str, str]] = set()
+logger = logging.getLogger("mosaics.fused")
+
+
+def fused_setting() -> str:
+    """``MOSAICS_FUSED`` as "never", "auto" or "always" (an unknown value is an error)."""
+    value = os.environ.get(ENV_SWITCH, "").strip()
+    if value in ("", "auto"):
+        return "auto"
+    if value == "0":
+        return "never"
+    if value == "1":
+        return "always"
+    raise ValueError(f"{ENV_SWITCH}={value!r}: use 0 (never), 1 (always; on CPU through "
+                     "Triton's interpreter) or leave it unset (on CUDA)")
+
+
+@functools.cache
+def triton_available() -> str | None:
+    """None when ``triton`` imports, else why not."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - any import failure means no fused path
+        return f"triton is not importable ({type(err).__name__}: {err}); pip install triton"
+    return None
+
+
+def fused_reason(*tensors: Tensor) -> str | None:
+    """None when the fused path should run for these tensors, else the reason it does not
+    (the switch, the device, a missing ``triton``)."""
+    setting = fused_setting()
+    if setting == "never":
+        return f"{ENV_SWITCH}=0"
+    devices = {t.device.type for t in tensors}
+    if len(devices) != 1:
+        return f"tensors on several devices {sorted(devices)}"
+    device = devices.pop()
+    if device not in ("cuda", "cpu"):
+        return f"no fused kernels for device {device!r}"
+    if device == "cpu" and setting != "always":
+        return f"CPU tensors ({ENV_SWITCH}=1 runs the kernels under Triton's interpreter)"
+    return triton_available()
+
+
+def note_path(kernel: str, reason: str | None, *, expected: bool = True) -> None:
+    """Record the path a kernel took (``reason`` None: fused). A fallback where the switch
+    asked for the fused path (``expected``) is logged once per kernel and reason."""
+    PATHS[kernel] = "fused" if reason is None else f"chunked: {reason}"
+    if reason is not None and expected and (kernel, reason) not in _LOGGED:
+        _LOGGED.add((kernel, reason))
+        logger.warning("kernel %r takes its chunked path: %s", kernel, reason)
+
+
+def fused_expected(*tensors: Tensor) -> bool:
+    """Whether the switch asks for the fused path on these tensors' device (so that a
+    fallback is worth a log line)."""
+    setting = fused_setting()
+    return setting == "always" or (setting == "auto" and tensors[0].device.type == "cuda")
+
+
+@functools.cache
+def _load(path: str, interpret: bool) -> ModuleType:
+    import triton
+
+    name = f"mosaics.ops._triton_{Path(path).stem}_{'interpreted' if interpret else 'compiled'}"
+    knobs = triton.knobs.runtime
+    old = knobs.interpret
+    knobs.interpret = interpret  # read by @triton.jit when the module's functions are defined
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        knobs.interpret = old
+    return module
+
+
+def triton_module(path: str | Path, device: torch.device) -> ModuleType:
+    """The Triton kernel module at ``path``, compiled (CUDA) or interpreted (CPU tensors)."""
+    return _load(str(path), device.type != "cuda")
