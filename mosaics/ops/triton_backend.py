@@ -8,11 +8,12 @@ One switch, the environment variable ``MOSAICS_FUSED``:
   (numpy, slow: for checking them without a GPU, at small shapes).
 
 A Triton kernel module (plain ``@triton.jit`` functions at module level) is loaded through
-:func:`triton_module`, once per mode: compiled for CUDA tensors, interpreted for CPU tensors.
-The same process can therefore check the interpreted kernels on CPU and run the compiled ones
-on a GPU. A kernel that cannot take its fused path where the switch asks for it says why once
-(:func:`note_path`, logged), and the path each kernel took last is kept for
-``bench/gpu_check.py`` (:data:`PATHS`).
+:func:`triton_module`. Triton decides at import whether it interprets its kernels
+(``TRITON_INTERPRET=1``), for the whole process; a first fused call on CPU tensors with
+``MOSAICS_FUSED=1`` sets that variable itself when nothing has imported Triton yet (the test
+suite sets it in ``tests/conftest.py`` on machines without CUDA). A kernel that cannot take
+its fused path where the switch asks for it says why once (:func:`note_path`, logged), and the
+path each kernel took last is kept for ``bench/gpu_check.py`` (:data:`PATHS`).
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import functools
 import importlib.util
 import logging
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
-import torch
 from torch import Tensor
 
 ENV_SWITCH = "MOSAICS_FUSED"
@@ -46,14 +47,18 @@ def fused_setting() -> str:
                      "Triton's interpreter) or leave it unset (on CUDA)")
 
 
-@functools.cache
-def triton_available() -> str | None:
-    """None when ``triton`` imports, else why not."""
+def triton_available(cpu: bool = False) -> str | None:
+    """None when ``triton`` imports (and, ``cpu``, interprets its kernels), else why not."""
+    if cpu and "triton" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
-        import triton  # noqa: F401
+        import triton
         import triton.language  # noqa: F401
     except Exception as err:  # noqa: BLE001 - any import failure means no fused path
         return f"triton is not importable ({type(err).__name__}: {err}); pip install triton"
+    if cpu and not triton.knobs.runtime.interpret:
+        return ("triton was imported without its interpreter: start Python with "
+                "TRITON_INTERPRET=1 to run the fused kernels on CPU tensors")
     return None
 
 
@@ -71,7 +76,7 @@ def fused_reason(*tensors: Tensor) -> str | None:
         return f"no fused kernels for device {device!r}"
     if device == "cpu" and setting != "always":
         return f"CPU tensors ({ENV_SWITCH}=1 runs the kernels under Triton's interpreter)"
-    return triton_available()
+    return triton_available(cpu=device == "cpu")
 
 
 def note_path(kernel: str, reason: str | None, *, expected: bool = True) -> None:
@@ -91,22 +96,15 @@ def fused_expected(*tensors: Tensor) -> bool:
 
 
 @functools.cache
-def _load(path: str, interpret: bool) -> ModuleType:
-    import triton
-
-    name = f"mosaics.ops._triton_{Path(path).stem}_{'interpreted' if interpret else 'compiled'}"
-    knobs = triton.knobs.runtime
-    old = knobs.interpret
-    knobs.interpret = interpret  # read by @triton.jit when the module's functions are defined
-    try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        knobs.interpret = old
+def _load(path: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"mosaics.ops._triton_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module
 
 
-def triton_module(path: str | Path, device: torch.device) -> ModuleType:
-    """The Triton kernel module at ``path``, compiled (CUDA) or interpreted (CPU tensors)."""
-    return _load(str(path), device.type != "cuda")
+def triton_module(path: str | Path, device: object = None) -> ModuleType:
+    """The Triton kernel module at ``path`` (compiled, or interpreted under
+    ``TRITON_INTERPRET=1``), loaded once. ``device`` is accepted for symmetry and unused:
+    the mode is the process's."""
+    return _load(str(path))
