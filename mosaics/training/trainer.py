@@ -498,7 +498,7 @@ class Trainer:
                             self.model.parameters(),
                             cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
                         bad = bad or not math.isfinite(float(grad_norm))
-                    bad, stop = self._agree(bad, self.signals.received is not None)
+                    bad, stop = self._agree(bad, self.signals.requested())
                     self.stop_requested = self.stop_requested or stop
                     if bad and self.is_deepspeed:  # its engine stepped inside backward
                         raise TrainingDiverged(

@@ -1,0 +1,170 @@
+"""``mosaics train --nproc N``: N ranks on this machine under a launcher that preempts cleanly.
+
+torchrun and ``accelerate launch`` (torch's elastic agent) end with a traceback and status 1
+on SIGTERM, and die at once on SIGUSR1, leaving their ranks training on as orphans. This
+launcher starts N processes of ``mosaics train`` with the variables accelerate reads (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), each in its own session, and:
+
+* passes the first SIGTERM, SIGUSR1, SIGINT or SIGHUP it receives (from a scheduler, a process
+  group kill, Ctrl-C) to every rank once, then waits for all of them: the ranks finish their
+  step, write one checkpoint together and exit 75, and so does the launcher, after them;
+* kills the ranks (SIGKILL) on a second signal and exits with 128 + its number;
+* when a rank fails (a status other than 0 and 75), gives the others :data:`FAILURE_GRACE_S`
+  to end on their own (a bad config stops every rank with the same one-line error), then kills
+  them, and exits with the first failure's status.
+
+A rank whose launcher is gone (killed with SIGKILL) notices at its next step and stops with a
+checkpoint (:class:`~mosaics.training.signals.StopSignals`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from .signals import EXIT_PREEMPTED, LAUNCHER_ENV
+
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+FAILURE_GRACE_S = 30.0
+
+
+def pop_nproc(args: list[str]) -> tuple[int | None, list[str]]:
+    """Take ``--nproc N`` / ``--nproc=N`` out of the training arguments."""
+    rest, nproc, i = [], None, 0
+    while i < len(args):
+        arg = args[i]
+        if arg in ("--nproc", "--nproc-per-node", "--nproc_per_node"):
+            if i + 1 >= len(args):
+                raise ConfigError(f"{arg} needs a value: {arg} N (processes on this machine).")
+            value, i = args[i + 1], i + 2
+        elif arg.split("=", 1)[0] in ("--nproc", "--nproc-per-node", "--nproc_per_node") \
+                and "=" in arg:
+            value, i = arg.split("=", 1)[1], i + 1
+        else:
+            rest.append(arg)
+            i += 1
+            continue
+        if not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"--nproc must be a positive whole number of processes, got "
+                              f"{value!r}.")
+        nproc = int(value)
+    return nproc, rest
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rank_env(rank: int, nproc: int, port: int, base: dict[str, str] | None = None
+             ) -> dict[str, str]:
+    """The environment of rank ``rank`` of ``nproc`` on this machine."""
+    import mosaics
+
+    env = dict(os.environ if base is None else base)
+    for key in ("TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK"):
+        env.pop(key, None)
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+               LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=env.get("MASTER_ADDR", "127.0.0.1"),
+               MASTER_PORT=str(port), **{LAUNCHER_ENV: str(os.getpid())})
+    env.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    if not torch.cuda.is_available() and env.get("ACCELERATE_USE_DEEPSPEED", "").lower() \
+            not in ("true", "1"):
+        env.setdefault("ACCELERATE_USE_CPU", "1")  # gloo ranks (docs/training.md)
+    # the ranks import the package this launcher runs from
+    root = str(Path(mosaics.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+class Launcher:
+    """N ranks of ``mosaics train ARGS`` and the signal policy of the module docstring."""
+
+    def __init__(self, nproc: int, args: list[str], prog: str = "mosaics train") -> None:
+        self.nproc, self.args, self.prog = nproc, list(args), prog
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.signalled: str | None = None
+        self.killed_by: int | None = None
+
+    def _say(self, text: str) -> None:
+        os.write(2, f"{self.prog} launcher: {text}\n".encode())
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.signalled is None:
+            self.signalled = name
+            self._say(f"{name}: passed to the {self.nproc} ranks; waiting for them to finish "
+                      f"the step and write a checkpoint (send it again to kill them at once)")
+            self._send(signum)
+            return
+        self._say(f"{name} after {self.signalled}: killing the ranks, no checkpoint")
+        self.killed_by = signum
+        self._send(signal.SIGKILL)
+
+    def _send(self, signum: int) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signum)
+
+    def run(self) -> int:
+        """Start the ranks, wait for all of them, return the launcher's exit status."""
+        port = int(os.environ.get("MASTER_PORT") or _free_port())
+        previous = {sig: signal.signal(sig, self._handle) for sig in FORWARDED}
+        try:
+            for rank in range(self.nproc):
+                cmd = [sys.executable, "-m", "mosaics", "train", *self.args]
+                self.procs.append(subprocess.Popen(cmd, env=rank_env(rank, self.nproc, port),
+                                                   start_new_session=True))
+            codes = self._wait()
+        finally:
+            self._send(signal.SIGKILL)  # only ranks still running (an error in this process)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return self._status(codes)
+
+    def _wait(self) -> list[int]:
+        failed_at: float | None = None
+        killed = False
+        while True:
+            codes = [proc.poll() for proc in self.procs]
+            if all(code is not None for code in codes):
+                return [int(code) for code in codes if code is not None]
+            bad = [c for c in codes if c is not None and c not in (0, EXIT_PREEMPTED)]
+            if bad and failed_at is None:
+                failed_at = time.monotonic()
+            if not killed and failed_at is not None \
+                    and time.monotonic() - failed_at > FAILURE_GRACE_S:
+                self._say(f"a rank failed (status {bad[0]}); killing the ranks still running "
+                          f"after {FAILURE_GRACE_S:.0f} s")
+                self._send(signal.SIGKILL)
+                killed = True
+            time.sleep(0.05)
+
+    def _status(self, codes: list[int]) -> int:
+        if self.killed_by is not None:
+            return 128 + self.killed_by
+        failures = [c for c in codes if c not in (0, EXIT_PREEMPTED)]
+        if failures:
+            first = failures[0]
+            return 128 - first if first < 0 else first  # killed by a signal: 128 + its number
+        if EXIT_PREEMPTED in codes:
+            return EXIT_PREEMPTED
+        return 0
+
+
+def launch(nproc: int, args: list[str], prog: str = "mosaics train") -> int:
+    """Run ``mosaics train ARGS`` as ``nproc`` ranks on this machine; returns the exit status
+    (0, 75 after a stop signal's checkpoint, or the first failed rank's status)."""
+    return Launcher(nproc, args, prog).run()
