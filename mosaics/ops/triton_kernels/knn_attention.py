@@ -1,0 +1,248 @@
+"""Triton kernels of kNN retrieval (:mod:`mosaics.ops.knn_attention`); load them through
+:func:`mosaics.ops.triton_backend.triton_module`, never by import.
+
+Per (batch x head) row block of BLOCK_M queries, over key blocks of BLOCK_N columns:
+
+- scores s_ij = q_i . k_j (fp32 accumulation), visible where lo_i <= j <= hi_i and j < S
+  (the strict past: lo_i = 0, hi_i = i + offset);
+- pass 1 (``_knn_fwd``, unless every visible entry is selected): the K_PAD largest visible
+  scores of each row, kept sorted in a (BLOCK_M, K_PAD) register tile; a key block is merged
+  only when one of its scores beats some row's current k-th value: its top K_PAD (bitonic
+  top-k), reversed, elementwise max with the tile (a bitonic sequence), one bitonic merge.
+  tau_i = the k-th largest, need_i = how many of the top k equal tau_i;
+- pass 2: selected = visible and (s > tau, or s == tau among the first need_i such columns);
+  jt_i = the column of the last selected tie (-1: none). Gaussian: online softmax of
+  beta (s - m) over the selected entries (m the running max); uniform: 1 / count.
+
+Saved per row: m, l (the softmax sum, or the count), tau, jt. The backward recomputes the
+scores tile by tile with the same tiles and the same dot (so the same fp32 values) and the
+selection s > tau or (s == tau and j <= jt).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _bounds(LO, HI, rows, n, S, offset, lo_off, HAS_BOUNDS: tl.constexpr):
+    """Per-row visible interval [lo, hi]; rows past n see nothing (lo = S, hi = -1)."""
+    valid = rows < n
+    if HAS_BOUNDS:
+        lo = tl.load(LO + lo_off + rows, mask=valid, other=0).to(tl.int32)
+        hi = tl.load(HI + lo_off + rows, mask=valid, other=-1).to(tl.int32)
+    else:
+        lo = tl.full(rows.shape, 0, tl.int32)
+        hi = rows + offset
+    lo = tl.where(valid, tl.maximum(lo, 0), S)
+    hi = tl.where(valid, tl.minimum(hi, S - 1), -1)
+    return lo, hi
+
+
+@triton.jit
+def _scores(q, K, k_off, cols, S, HS, dk, PRECISION: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) q k^T for the key columns ``cols`` (zero rows past S)."""
+    kt = tl.load(K + k_off + cols[:, None] * HS + dk[None, :],
+                 mask=(cols[:, None] < S) & (dk[None, :] < HS), other=0.0)
+    return tl.dot(q, tl.trans(kt), input_precision=PRECISION), kt
+
+
+@triton.jit
+def _knn_fwd(Q, K, V, BETA, LO, HI, OUT, STATS, JT,
+             n, S, H, HS, HV, offset, k_top, lo_stride,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr,
+             HS_PAD: tl.constexpr, HV_PAD: tl.constexpr, UNIFORM: tl.constexpr,
+             SELECT_ALL: tl.constexpr, HAS_BOUNDS: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    beta = tl.load(BETA + bh % H)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dk = tl.arange(0, HS_PAD)
+    dv = tl.arange(0, HV_PAD)
+    q_off = bh * n * HS
+    k_off = bh * S * HS
+    v_off = bh * S * HV
+    q = tl.load(Q + q_off + rows[:, None] * HS + dk[None, :],
+                mask=(rows[:, None] < n) & (dk[None, :] < HS), other=0.0)
+    lo, hi = _bounds(LO, HI, rows, n, S, offset, (bh // H) * lo_stride, HAS_BOUNDS)
+    start = (tl.maximum(tl.min(lo, 0), 0) // BLOCK_N) * BLOCK_N
+    end = tl.minimum(tl.max(hi, 0) + 1, S)
+    inf = float("inf")
+
+    # pass 1: tau = the k-th largest visible score of each row
+    if SELECT_ALL:
+        tau = tl.full([BLOCK_M], -inf, tl.float32)
+        need = tl.full([BLOCK_M], 0, tl.int32)
+    else:
+        kcol = tl.arange(0, K_PAD)[None, :]
+        run = tl.full([BLOCK_M, K_PAD], -inf, tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            s, kt = _scores(q, K, k_off, cols, S, HS, dk, PRECISION)
+            vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None])
+            s = tl.where(vis, s, -inf)
+            kth = tl.max(tl.where(kcol == k_top - 1, run, -inf), 1)
+            if tl.max(tl.max((s > kth[:, None]).to(tl.int32), 1), 0) > 0:
+                top = tl.topk(s, K_PAD)
+                run = tl.bitonic_merge(tl.maximum(run, tl.flip(top, 1)), descending=True)
+        tau = tl.max(tl.where(kcol == k_top - 1, run, -inf), 1)
+        need = tl.sum(((kcol < k_top) & (run == tau[:, None])).to(tl.int32), 1)
+
+    # pass 2: weights of the selected entries times the values
+    m_i = tl.full([BLOCK_M], -inf, tl.float32)
+    l_i = tl.full([BLOCK_M], 0, tl.float32)
+    ties = tl.full([BLOCK_M], 0, tl.int32)
+    jt = tl.full([BLOCK_M], -1, tl.int32)
+    acc = tl.full([BLOCK_M, HV_PAD], 0, tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        s, kt = _scores(q, K, k_off, cols, S, HS, dk, PRECISION)
+        vt = tl.load(V + v_off + cols[:, None] * HV + dv[None, :],
+                     mask=(cols[:, None] < S) & (dv[None, :] < HV), other=0.0)
+        vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None])
+        eq = vis & (s == tau[:, None])
+        rank = ties[:, None] + tl.cumsum(eq.to(tl.int32), 1)
+        sel = vis & ((s > tau[:, None]) | (eq & (rank <= need[:, None])))
+        last = tl.max(tl.where(eq & (rank == need[:, None]), cols[None, :], -1), 1)
+        jt = tl.maximum(jt, last)
+        ties += tl.sum(eq.to(tl.int32), 1)
+        if UNIFORM:
+            w = sel.to(tl.float32)
+            l_i += tl.sum(w, 1)
+            acc += tl.dot(w.to(vt.dtype), vt, input_precision=PRECISION)
+        else:
+            m_new = tl.maximum(m_i, tl.max(tl.where(sel, s, -inf), 1))
+            m_safe = tl.where(m_new == -inf, 0.0, m_new)
+            alpha = tl.exp(beta * (m_i - m_safe))
+            p = tl.where(sel, tl.exp(beta * (s - m_safe[:, None])), 0.0)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
+            m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(OUT + bh * n * HV + rows[:, None] * HV + dv[None, :],
+             out.to(OUT.dtype.element_ty), mask=(rows[:, None] < n) & (dv[None, :] < HV))
+    st = STATS + bh * 3 * n + rows
+    tl.store(st, m_i, mask=rows < n)
+    tl.store(st + n, l_i, mask=rows < n)
+    tl.store(st + 2 * n, tau, mask=rows < n)
+    tl.store(JT + bh * n + rows, jt, mask=rows < n)
+
+
+@triton.jit
+def _weights(s, cols, lo, hi, m, l, tau, jt, beta, UNIFORM: tl.constexpr):
+    """(selected, weights) of a score tile from the saved row statistics."""
+    vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None])
+    sel = vis & ((s > tau[:, None]) | ((s == tau[:, None]) & (cols[None, :] <= jt[:, None])))
+    inv = 1.0 / tl.where(l > 0, l, 1.0)
+    if UNIFORM:
+        p = tl.where(sel, inv[:, None], 0.0)
+    else:
+        m_safe = tl.where(m == -float("inf"), 0.0, m)
+        p = tl.where(sel, tl.exp(beta * (s - m_safe[:, None])) * inv[:, None], 0.0)
+    return sel, p
+
+
+@triton.jit
+def _row_stats(STATS, JT, DELTA, bh, rows, n, UNIFORM: tl.constexpr):
+    st = STATS + bh * 3 * n + rows
+    valid = rows < n
+    m = tl.load(st, mask=valid, other=0.0)
+    l = tl.load(st + n, mask=valid, other=0.0)
+    tau = tl.load(st + 2 * n, mask=valid, other=float("inf"))
+    jt = tl.load(JT + bh * n + rows, mask=valid, other=-1)
+    if UNIFORM:
+        delta = tl.full(m.shape, 0.0, tl.float32)
+    else:
+        delta = tl.load(DELTA + bh * n + rows, mask=valid, other=0.0)
+    return m, l, tau, jt, delta
+
+
+@triton.jit
+def _knn_bwd_dkdv(Q, K, V, BETA, LO, HI, STATS, JT, DO, DELTA, DK, DV,
+                  n, S, H, HS, HV, offset, lo_stride,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HS_PAD: tl.constexpr, HV_PAD: tl.constexpr, UNIFORM: tl.constexpr,
+                  HAS_BOUNDS: tl.constexpr, PRECISION: tl.constexpr):
+    """dV = P^T dO and (gaussian) dK = (beta dZ)^T Q, dZ = P (dO V^T - delta), per key block."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    beta = tl.load(BETA + bh % H)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dk = tl.arange(0, HS_PAD)
+    dv = tl.arange(0, HV_PAD)
+    q_off = bh * n * HS
+    k_off = bh * S * HS
+    v_off = bh * S * HV
+    o_off = bh * n * HV
+    kt = tl.load(K + k_off + cols[:, None] * HS + dk[None, :],
+                 mask=(cols[:, None] < S) & (dk[None, :] < HS), other=0.0)
+    vt = tl.load(V + v_off + cols[:, None] * HV + dv[None, :],
+                 mask=(cols[:, None] < S) & (dv[None, :] < HV), other=0.0)
+    acc_k = tl.full([BLOCK_N, HS_PAD], 0, tl.float32)
+    acc_v = tl.full([BLOCK_N, HV_PAD], 0, tl.float32)
+    if HAS_BOUNDS:
+        first = 0
+    else:  # the first row that sees column pid_n * BLOCK_N
+        first = (tl.maximum(pid_n * BLOCK_N - offset, 0) // BLOCK_M) * BLOCK_M
+    for m0 in range(first, n, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        lo, hi = _bounds(LO, HI, rows, n, S, offset, (bh // H) * lo_stride, HAS_BOUNDS)
+        seen = (tl.min(lo, 0) <= pid_n * BLOCK_N + BLOCK_N - 1) & (tl.max(hi, 0) >= pid_n * BLOCK_N)
+        if seen:
+            q = tl.load(Q + q_off + rows[:, None] * HS + dk[None, :],
+                        mask=(rows[:, None] < n) & (dk[None, :] < HS), other=0.0)
+            do = tl.load(DO + o_off + rows[:, None] * HV + dv[None, :],
+                         mask=(rows[:, None] < n) & (dv[None, :] < HV), other=0.0)
+            m, l, tau, jt, delta = _row_stats(STATS, JT, DELTA, bh, rows, n, UNIFORM)
+            s = tl.dot(q, tl.trans(kt), input_precision=PRECISION)
+            sel, p = _weights(s, cols, lo, hi, m, l, tau, jt, beta, UNIFORM)
+            acc_v += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+            if not UNIFORM:
+                dp = tl.dot(do, tl.trans(vt), input_precision=PRECISION)
+                ds = p * (dp - delta[:, None]) * beta
+                acc_k += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    tl.store(DV + v_off + cols[:, None] * HV + dv[None, :], acc_v.to(DV.dtype.element_ty),
+             mask=(cols[:, None] < S) & (dv[None, :] < HV))
+    if not UNIFORM:
+        tl.store(DK + k_off + cols[:, None] * HS + dk[None, :], acc_k.to(DK.dtype.element_ty),
+                 mask=(cols[:, None] < S) & (dk[None, :] < HS))
+
+
+@triton.jit
+def _knn_bwd_dq(Q, K, V, BETA, LO, HI, STATS, JT, DO, DELTA, DQ, DBETA,
+                n, S, H, HS, HV, offset, lo_stride,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                HS_PAD: tl.constexpr, HV_PAD: tl.constexpr,
+                HAS_BOUNDS: tl.constexpr, PRECISION: tl.constexpr):
+    """Gaussian only: dQ = (beta dZ) K and the per-row bandwidth gradient sum_j dZ_ij s_ij."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    beta = tl.load(BETA + bh % H)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dk = tl.arange(0, HS_PAD)
+    dv = tl.arange(0, HV_PAD)
+    q_off = bh * n * HS
+    k_off = bh * S * HS
+    v_off = bh * S * HV
+    q = tl.load(Q + q_off + rows[:, None] * HS + dk[None, :],
+                mask=(rows[:, None] < n) & (dk[None, :] < HS), other=0.0)
+    do = tl.load(DO + bh * n * HV + rows[:, None] * HV + dv[None, :],
+                 mask=(rows[:, None] < n) & (dv[None, :] < HV), other=0.0)
+    m, l, tau, jt, delta = _row_stats(STATS, JT, DELTA, bh, rows, n, False)
+    lo, hi = _bounds(LO, HI, rows, n, S, offset, (bh // H) * lo_stride, HAS_BOUNDS)
+    start = (tl.maximum(tl.min(lo, 0), 0) // BLOCK_N) * BLOCK_N
+    end = tl.minimum(tl.max(hi, 0) + 1, S)
+    acc = tl.full([BLOCK_M, HS_PAD], 0, tl.float32)
+    db = tl.full([BLOCK_M], 0, tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        s, kt = _scores(q, K, k_off, cols, S, HS, dk, PRECISION)
+        vt = tl.load(V + v_off + cols[:, None] * HV + dv[None, :],
+                     mask=(cols[:, None] < S) & (dv[None, :] < HV), other=0.0)
+        sel, p = _weights(s, cols, lo, hi, m, l, tau, jt, beta, False)
+        dp = tl.dot(do, tl.trans(vt), input_precision=PRECISION)
+        dz = p * (dp - delta[:, None])
+        db += tl.sum(tl.where(sel, dz * s, 0.0), 1)
+        acc += tl.dot((dz * beta).to(kt.dtype), kt, input_precision=PRECISION)
+    tl.store(DQ + q_off + rows[:, None] * HS + dk[None, :], acc.to(DQ.dtype.element_ty),
+             mask=(rows[:, None] < n) & (dk[None, :] < HS))
+    tl.store(DBETA + bh * n + rows, db, mask=rows < n)
