@@ -82,12 +82,16 @@ class LayerState:
 
 @dataclass
 class DocumentState:
-    """The document in progress between decoding calls (``document_masking``), each (B,)."""
+    """The document in progress between decoding calls (``document_masking`` or padding),
+    each (B,): its start and id, the last document id given, whether the last token was a
+    separator, whether it was real (``attention_mask`` 1) and whether any token so far was."""
 
     start: Tensor
     id: Tensor
     last_id_given: Tensor | None = None
     last_is_separator: Tensor | None = None
+    last_real: Tensor | None = None
+    seen_real: Tensor | None = None
 
 
 def _map_tensors(obj: Any, fn) -> Any:

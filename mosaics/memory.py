@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .cache import BankState, ContextualWeights, MemoryState, PersistentWeights
+from .compilation import compiling, eager_boundary, kernel_traceable
 from .configuration_mosaics import MosaicsConfig
 from .kernels import Kernel, get_kernel
 from .kernels.base import append_memory
@@ -73,6 +74,15 @@ def init_head_scalars(leaky_p: Tensor | None, bandwidth_b: Tensor | None, value_
     if bandwidth_b is not None:
         bandwidth_b.fill_(1.0 / EXP_SCALE)
     value_q.fill_(-0.5 / EXP_SCALE)
+
+
+def drop_padding(k_raw: Tensor, pos: Positions | None) -> Tensor:
+    """Zero the key inputs k~_t (B, H, n, hs) of padding tokens (``pos.keep`` False), so a
+    leaky sum passes over them as over nothing before a row's first real token."""
+    if pos is None or pos.keep is None:
+        return k_raw
+    B, _, n, _ = k_raw.shape
+    return k_raw * pos.keep.to(device=k_raw.device, dtype=k_raw.dtype).view(B, 1, n, 1)
 
 
 def orthogonal_value_matrix(d: int, seed: int) -> Tensor:
@@ -219,8 +229,15 @@ class ContextualMemory(nn.Module):
         else:  # entries p0 - 1 .. p0 + n - 2
             values = lookahead_values(v_raw, w.mix, state.v_raw, NORM_EPS)
             entry_keys = state.key if n == 1 else torch.cat([state.key, keys[:, :, :-1]], 2)
-        if self.intervals:
+        padded = pos is not None and pos.doc_starts is not None and not self.intervals
+        if self.intervals or (padded and not self.alibi):
             y, memory, base = self.attend(keys, entry_keys, values, w, pos, state, use_cache)
+        elif padded:  # ALiBi over the entries of each query's document
+            memory = ({"keys": entry_keys, "values": values} if state is None
+                      else append_memory(state.memory, entry_keys, values))
+            y, base = self.biased_documents(keys, memory, w.beta, pos), 0
+            if use_cache and state is None:  # v_{n-1} waits for x_n
+                memory = {k: t[:, :, :-1] for k, t in memory.items()}
         elif state is None:
             y = self.retrieve(keys, values, w.beta)
             memory, base = None, 0
@@ -255,6 +272,7 @@ class ContextualMemory(nn.Module):
         initial = None if state is None else state.kbar
         if initial is not None and pos is not None and pos.restart is not None:
             initial = initial * (~pos.restart).to(initial.dtype).view(x.shape[0], 1, 1)
+        k_raw = drop_padding(k_raw, pos)
         gain, log_decay = self.gated(x) if self.gated is not None else (None, w.log_decay)
         kbar, last = leaky_average(k_raw, log_decay, gain=gain, initial=initial,
                                    documents=None if pos is None else pos.documents,
@@ -302,10 +320,41 @@ class ContextualMemory(nn.Module):
         """The kernel's strict-past retrieval of a whole sequence (B, H, T, hs), with the
         ALiBi bias on the scores when the config asks for it."""
         if not self.alibi:
+            if compiling() and not kernel_traceable(self.kernel):
+                return eager_boundary(self.kernel, keys, values, beta)
             return self.kernel(keys, values, beta)
         y = biased_retrieval(self.kernel, keys[:, :, 1:], keys[:, :, :-1], values[:, :, :-1],
                              beta, self.slopes(), 0)
         return F.pad(y, (0, 0, 1, 0))  # row 0: no memory
+
+    def biased_documents(self, keys: Tensor, memory: dict[str, Tensor], beta: Tensor,
+                         pos: Positions) -> Tensor:
+        """ALiBi retrieval where the query at p sees the entries lo <= s <= p - 1 of its own
+        document (lo = ``pos.doc_starts``, after padding): queries (B, H, n, hs), entries at
+        absolute positions 0 .. S - 1 in ``memory`` -> (B, H, n, hs). The scores beta k_p . k_s
+        - m_h (p - s) use distances, which a shift of the document leaves alone, so each run
+        of queries sharing a start L is the whole-sequence retrieval of the entries L .. S - 1
+        (rows with the same starts go together)."""
+        B, H, n, _ = keys.shape
+        lo = pos.doc_starts.to(keys.device).expand(B, n)
+        y = keys.new_zeros(B, H, n, memory["values"].shape[-1]).to(memory["values"].dtype)
+        starts, group = torch.unique(lo, dim=0, return_inverse=True)
+        for g, row_lo in enumerate(starts.tolist()):
+            rows = (group == g).nonzero().view(-1)
+            i0 = 0
+            while i0 < n:  # a run i0 .. i1 - 1 of queries with one start L
+                L, i1 = row_lo[i0], i0 + 1
+                while i1 < n and row_lo[i1] == L:
+                    i1 += 1
+                first = max(i0, L - pos.start + 1)  # the query at p = L sees nothing
+                if first < i1:
+                    part = biased_retrieval(
+                        self.kernel, keys[rows][:, :, first:i1], memory["keys"][rows][:, :, L:],
+                        memory["values"][rows][:, :, L:], beta, self.slopes(),
+                        pos.start + first - 1 - L)
+                    y[rows, :, first:i1] = part.to(y.dtype)
+                i0 = i1
+        return y
 
     def slopes(self) -> Tensor:
         """The ALiBi slopes m_h (H,): fixed by n_head, so neither trained nor saved."""
@@ -338,8 +387,10 @@ class ContextualMemory(nn.Module):
                     "this decoding cache kept only the running sums of entries a query can "
                     "still see, not the entries: continue it under torch.no_grad() with the "
                     "model in eval mode (as generate does), or rebuild it from the prompt")
-            y = self.kernel.attend(keys, memory["keys"], memory["values"], beta,
-                                   (lo - base).clamp(min=0), hi - base)
+            # the visible intervals plan the retrieval from their values: eager when compiled
+            attend = eager_boundary if compiling() else (lambda fn, *args: fn(*args))
+            y = attend(self.kernel.attend, keys, memory["keys"], memory["values"], beta,
+                       (lo - base).clamp(min=0), hi - base)
         if not use_cache:
             return y, None, base
         if state is None:  # v_{n-1} waits for x_n
@@ -470,8 +521,8 @@ class PersistentMemory(nn.Module):
         initial = None if state is None else state.kbar
         if initial is not None and pos is not None and pos.restart is not None:
             initial = initial * (~pos.restart).to(initial.dtype).view(B, 1, 1)
-        kbar, last = leaky_average(split_heads(F.linear(x, self.k_proj.weight), H),
-                                   w.log_decay, initial=initial,
+        k_raw = drop_padding(split_heads(F.linear(x, self.k_proj.weight), H), pos)
+        kbar, last = leaky_average(k_raw, w.log_decay, initial=initial,
                                    documents=None if pos is None else pos.documents,
                                    chunk=self.chunk, decay=w.decay)
         # the banks are shared by every token: fold the batch into the query axis, (H, B n, hs)

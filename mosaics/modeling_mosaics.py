@@ -20,6 +20,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
 from .cache import DocumentState, LayerState, MosaicsCache
+from .compilation import compiling, eager_boundary
 from .configuration_mosaics import MosaicsConfig
 from .kernels import Kernel
 from .memory import (
@@ -157,15 +158,35 @@ class MosaicsPreTrainedModel(PreTrainedModel):
         return out
 
 
-def _check_attention_mask(attention_mask: Tensor | None) -> None:
-    if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape[1] < 2:
-        return
-    if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+def padding_starts(attention_mask: Tensor | None, n: int, start: int,
+                   last_real: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
+    """Where ``attention_mask`` makes this call's n tokens (at absolute positions start ..
+    start + n - 1) begin again after padding.
+
+    ``attention_mask``: (B, n) for this call's tokens, or (B, start + n) for every token so
+    far (what ``generate`` passes); 0 marks padding. ``last_real`` (B,): whether the token
+    before this call was real, when the mask does not say (default: real). Returns None when
+    no real token follows a pad (no padding, or right padding only), else (real, begins),
+    each (B, n) bool: begins_t = real_t and not real_{t-1}."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or attention_mask.shape[1] not in (n, start + n):
         raise ValueError(
-            "Memory Mosaics has no padding mask inside its leaky averages: left padding (or "
-            "holes) in attention_mask would change the result. Right-pad instead (and mask "
-            "the padded labels with -100), or generate prompts of different lengths separately."
-        )
+            f"attention_mask must be (batch, tokens) with one column per token of this call "
+            f"({n}) or per token so far ({start + n}, the cache's {start} included), got "
+            f"shape {tuple(attention_mask.shape)}")
+    first = attention_mask.shape[1] - n  # column of this call's token 0
+    real = attention_mask[:, first:] != 0
+    if first > 0:
+        before = attention_mask[:, first - 1:first] != 0
+    elif last_real is not None:
+        before = last_real.view(-1, 1).to(real.device)
+    else:
+        before = torch.ones_like(real[:, :1])
+    begins = real & ~torch.cat([before, real[:, :-1]], dim=1)
+    if not bool(begins.any()):
+        return None
+    return real, begins
 
 
 class MosaicsModel(MosaicsPreTrainedModel):
@@ -204,7 +225,6 @@ class MosaicsModel(MosaicsPreTrainedModel):
         cache = _one_cache(cache, past_key_values)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
-        _check_attention_mask(attention_mask)
         if use_cache is None:  # a training forward builds no decoding state unless asked
             use_cache = self.config.use_cache and not self.training
         if self.gradient_checkpointing and self.training:
@@ -216,7 +236,8 @@ class MosaicsModel(MosaicsPreTrainedModel):
         output_hidden_states = (output_hidden_states if output_hidden_states is not None
                                 else self.config.output_hidden_states)
         x = self.wte(input_ids) if inputs_embeds is None else inputs_embeds
-        pos = self.positions(input_ids, document_ids, x.shape[:2], cache, x.device)
+        pos = self.positions(input_ids, document_ids, x.shape[:2], cache, x.device,
+                             attention_mask)
         hidden = []
         for i, block in enumerate(self.blocks):
             if output_hidden_states:
@@ -230,7 +251,11 @@ class MosaicsModel(MosaicsPreTrainedModel):
             hidden.append(x)
         if cache is not None:
             cache.seen_tokens += x.shape[1]
-        regs = [r for k in self.kernels() if (r := k.regularization()) is not None]
+        regs = []  # (a loop, not a comprehension with :=, which torch.compile cannot trace)
+        for kernel in self.kernels():
+            reg = kernel.regularization()
+            if reg is not None:
+                regs.append(reg)
         aux = torch.stack(regs).mean() if regs else None
         out = MosaicsModelOutput(last_hidden_state=x, cache=cache,
                                  hidden_states=tuple(hidden) if output_hidden_states else None,
@@ -249,52 +274,96 @@ class MosaicsModel(MosaicsPreTrainedModel):
         return found
 
     def positions(self, input_ids: Tensor | None, document_ids: Tensor | None,
-                  shape: torch.Size, cache: MosaicsCache | None,
-                  device: torch.device) -> Positions | None:
-        """Where the tokens of this call sit, for the v2 memory options (None for v1): the
-        absolute start (the cache length), the long-term gap (drawn per batch in training)
-        and, with ``document_masking``, the documents (restarting after each separator
-        token, or where ``document_ids`` change); the cache remembers the document in
-        progress between decoding calls."""
+                  shape: torch.Size, cache: MosaicsCache | None, device: torch.device,
+                  attention_mask: Tensor | None = None) -> Positions | None:
+        """Where the tokens of this call sit, for the v2 memory options and for padding (None
+        for v1 without padding): the absolute start (the cache length), the long-term gap
+        (drawn per batch in training) and the documents: with ``document_masking``,
+        restarting after each separator token or where ``document_ids`` change; with padding
+        (``attention_mask`` 0), at every real token that follows a pad, the pads adding
+        nothing to the leaky sums. The cache remembers the document in progress between
+        decoding calls."""
         cfg = self.config
-        if not cfg.uses_visibility:
-            return None
         B, n = shape
         start = 0 if cache is None else cache.seen_tokens
+        docs = cache.documents if cache is not None else None
+        padding = padding_starts(attention_mask, n, start,
+                                 None if docs is None else docs.last_real)
+        seen = None  # (B,) whether a row had a real token before this call
+        if attention_mask is not None and start > 0:
+            first = attention_mask.shape[1] - n
+            seen = ((attention_mask[:, :first] != 0).any(1) if first > 0
+                    else docs.seen_real if docs is not None and docs.seen_real is not None
+                    else torch.ones(B, dtype=torch.bool, device=attention_mask.device))
+        if padding is not None and start > 0:
+            real, begins = padding
+            after_real = seen.view(B, 1) | (real.long().cumsum(1) - real.long() > 0)
+            if bool((begins & after_real).any()) or (docs is None and not cfg.uses_visibility):
+                raise ValueError(
+                    "attention_mask has padding between real tokens in a call that continues "
+                    "a cache (e.g. a right-padded prompt continued by generate): left-pad the "
+                    "prompts (tokenizer.padding_side = 'left'), so that the padding of each "
+                    "row comes before its first real token, in the first call")
+        tracked = cfg.document_masking or padding is not None or docs is not None
+        if not cfg.uses_visibility and not tracked:
+            return None
         gap = cfg.long_term_gap
         if self.training and cfg.long_term_gap_range is not None:
             low, high = cfg.long_term_gap_range
-            gap = int(torch.randint(low, high + 1, ()))
+            if compiling():  # drawn eagerly (the same stream), kept a tensor: no recompiles
+                gap = eager_boundary(torch.randint, low, high + 1, ())
+            else:
+                gap = int(torch.randint(low, high + 1, ()))
         pos = Positions(start=start, gap=gap)
-        if not cfg.document_masking:
+        if not tracked:
             return pos
-        docs = cache.documents if cache is not None else None
-        if document_ids is not None:
+        first = torch.ones(B, dtype=torch.bool, device=device)  # token 0 starts one
+        given = document_ids is not None
+        if given:
             document_ids = document_ids.to(device)
             prev = None if docs is None else docs.last_id_given
-            first = (torch.ones(B, dtype=torch.bool, device=device) if prev is None
-                     else document_ids[:, 0] != prev)
+            if prev is not None:
+                first = document_ids[:, 0] != prev
             starts = torch.cat([first[:, None], document_ids[:, 1:] != document_ids[:, :-1]], 1)
-        elif input_ids is not None and cfg.separator_id is not None:
+        elif cfg.document_masking:
+            if input_ids is None or cfg.separator_id is None:
+                raise ValueError("document_masking needs the documents: pass input_ids with "
+                                 "document_separator_id (or eos_token_id) set in the config, "
+                                 "or document_ids (B, T)")
             sep = input_ids == cfg.separator_id
-            first = None if docs is None else docs.last_is_separator
-            if first is None:
-                first = torch.ones(B, dtype=torch.bool, device=device)  # token 0 starts one
+            if docs is not None and docs.last_is_separator is not None:
+                first = docs.last_is_separator
             starts = torch.cat([first[:, None], sep[:, :-1]], dim=1)
-        else:
-            raise ValueError("document_masking needs the documents: pass input_ids with "
-                             "document_separator_id (or eos_token_id) set in the config, or "
-                             "document_ids (B, T)")
+        else:  # documents from the padding alone; without a cache, token 0 starts one
+            starts = torch.zeros(B, n, dtype=torch.bool, device=device)
+            starts[:, 0] = start == 0
+        real = None
+        if padding is not None:
+            real, begins = padding
+            starts = starts | begins.to(device)
+            pos.keep = real.to(device)
         ids, doc_starts = document_positions(starts, start, None if docs is None else docs.start,
                                              None if docs is None else docs.id)
-        pos.documents, pos.doc_starts = ids, doc_starts
+        # the leaky sums restart at documents; padding alone needs no restart where only pads
+        # came before (they add nothing): a prompt's first real tokens, or a decoding call's
+        # token 0 (``restart`` drops the state there)
+        holes = padding is not None and bool(
+            (begins[:, 1:] if start > 0 else
+             begins & ((real.long().cumsum(1) - real.long()) > 0)).any())
+        if cfg.document_masking or given or holes:
+            pos.documents = ids
+        pos.doc_starts = doc_starts
         pos.restart = starts[:, 0] if start > 0 else None
         if cache is not None:
-            given = document_ids is not None
             cache.documents = DocumentState(
                 start=doc_starts[:, -1], id=ids[:, -1],
                 last_id_given=document_ids[:, -1] if given else None,
-                last_is_separator=None if given else input_ids[:, -1] == cfg.separator_id)
+                last_is_separator=(input_ids[:, -1] == cfg.separator_id
+                                   if cfg.document_masking and not given else None),
+                last_real=(attention_mask[:, -1].to(device) != 0 if attention_mask is not None
+                           else None if docs is None else docs.last_real),
+                seen_real=(None if attention_mask is None else (attention_mask[:, -n:] != 0)
+                           .any(1).to(device) | (False if seen is None else seen.to(device))))
         return pos
 
 

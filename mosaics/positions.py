@@ -8,6 +8,12 @@ p sees the entries lo <= s <= hi with
 
 :class:`Positions` carries what these need for one call (the start, the gap drawn for the
 batch, the documents); :func:`visible_interval` turns it into (lo, hi).
+
+Padding (``attention_mask``) is told in the same terms: a real token that follows a pad starts
+a document, and the pads add nothing to the leaky sums (``keep``). A left-padded row is then
+its prompt as one document starting at its first real token: every count of the memory
+(lo, the adaptive bandwidth's n = hi - lo + 1, windows, ALiBi distances t - s) is relative to
+that start, so each row's outputs are those of its unpadded prompt.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ class Positions:
         doc_starts: (B, n) absolute position of the first token of each token's document.
         restart: (B,) bool, whether token 0 begins a new document (so a decoding state from
             before it is dropped), or None.
+        keep: (B, n) bool, False at padding (``attention_mask`` 0): those tokens' key inputs
+            are zeroed, so they add nothing to the leaky sums; None without padding.
     """
 
     start: int = 0
@@ -36,6 +44,7 @@ class Positions:
     documents: Tensor | None = None
     doc_starts: Tensor | None = None
     restart: Tensor | None = None
+    keep: Tensor | None = None
 
 
 def document_positions(starts: Tensor, offset: int = 0, last_start: Tensor | None = None,

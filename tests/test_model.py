@@ -237,15 +237,6 @@ def test_unknown_kernel_lists_registered(tiny_config):
     assert all(name in str(err.value) for name in available_kernels())
 
 
-def test_left_padding_is_refused(tiny_config):
-    model = MosaicsForCausalLM(tiny_config())
-    ids = torch.randint(0, 61, (2, 6))
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
-    with pytest.raises(ValueError, match="Right-pad"):
-        model(ids, attention_mask=mask)
-    model(ids, attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6]))  # right padding ok
-
-
 @pytest.mark.parametrize("splits", [[1] * 20, [7, 1, 1, 5, 6], [3, 17]])
 @pytest.mark.parametrize("block", [128, 4])  # 4: the full forward runs blocked attention
 def test_cached_logits_equal_full_forward(tiny_config, splits, block):
