@@ -29,6 +29,9 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from ..ops.leaky import chunk_grid, merge_chunks, split_chunks
+from ..ops.linear_attention import causal_linear_attention as fused_linear_attention
+from ..ops.linear_attention import linear_attention_unsupported
+from ..ops.triton_backend import fused_expected, fused_reason, note_path
 from .base import (
     Kernel,
     KernelState,
@@ -673,6 +676,10 @@ class FSKAKernel(Kernel):
         with torch.autocast(device_type=keys.device.type, enabled=False):
             w1, w2 = self.frequencies(beta)
             x = keys.float()
+            reason = self._fused_reason(x, values)
+            note_path(self.name, reason, expected=fused_expected(x))
+            if reason is None:
+                return self._fused(x, values.float(), w1, w2).to(values.dtype)
             if self.positive == "elu1":
                 y = _CosineFeatureAttention.apply(x, values.float(), w1, w2, self.chunk_size,
                                                   self.eps)
@@ -687,6 +694,27 @@ class FSKAKernel(Kernel):
             else:
                 y = stable_causal_linear_attention(f, log_g, v, self.chunk_size, self.eps)
         return y.to(values.dtype)
+
+    def _fused_reason(self, x: Tensor, values: Tensor) -> str | None:
+        """None when :meth:`forward` takes the fused Triton scan, else why not: the switch
+        and device (``MOSAICS_FUSED``, :func:`~mosaics.ops.triton_backend.fused_reason`),
+        the shapes, or the exp map, whose log-space scan (per-feature running maxima of the
+        state, a reference per row) the plain fp32 kernel does not do."""
+        if self.positive != "elu1":
+            return (f"positive={self.positive!r} keeps its features in log space; only the "
+                    "elu1 map has a fused scan")
+        return fused_reason(x, values) or linear_attention_unsupported(x, None, values)
+
+    def _fused(self, x: Tensor, v: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+        """The strict-past retrieval through :func:`mosaics.ops.causal_linear_attention`
+        (Triton, chunks of 64): the elu1 features g (B, H, T, 2M) in PyTorch, recomputed in
+        backward (checkpointed: one GEMM and elementwise maps), and y_t = sum_{s<t}
+        (g_t . g_s) v_s / (sum_{s<t} g_t . g_s + eps) in one fused pass each way."""
+        if torch.is_grad_enabled():
+            g = checkpoint(elu1_features, x, w1, w2, use_reentrant=False)
+        else:
+            g = elu1_features(x, w1, w2)
+        return fused_linear_attention(g, None, v, self.eps)
 
     def attend(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                lo: Tensor, hi: Tensor) -> Tensor:

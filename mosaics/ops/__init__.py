@@ -9,6 +9,7 @@ op                       reference                       what it computes
 ``causal_attention``     ``causal_attention_reference``  softmax(scale q k^T, s <= t) v
 ``bank_attention``       ``bank_attention_reference``    softmax(q M_k^T) M_v
 ``linear_cross_entropy`` ``linear_cross_entropy_ref..``  CE(h W^T, y) without the logits
+``causal_linear_att..``  ``causal_linear_att.._ref..``   sum_{s<t} q_t.k_s [v_s, 1], normalised
 =======================  ==============================  ======================================
 
 Each op chooses its form inside (device, dtype, sizes, gradients, ``MOSAICS_CPU_EXTENSION``),
@@ -20,6 +21,7 @@ from .banks import bank_attention, bank_attention_reference
 from .causal import causal_attention, causal_attention_reference
 from .fused_loss import linear_cross_entropy, linear_cross_entropy_reference
 from .leaky import decay_rate, leaky_average, leaky_average_reference
+from .linear_attention import causal_linear_attention, causal_linear_attention_reference
 from .unit import (
     lookahead_values,
     lookahead_values_reference,
@@ -32,6 +34,8 @@ __all__ = [
     "bank_attention_reference",
     "causal_attention",
     "causal_attention_reference",
+    "causal_linear_attention",
+    "causal_linear_attention_reference",
     "decay_rate",
     "leaky_average",
     "leaky_average_reference",

@@ -1,0 +1,205 @@
+"""Strict-past (causal) linear attention, numerator and denominator in one fused pass.
+
+    y_t = sum_{s<t} (q_t . k_s) v_s / (sum_{s<t} q_t . k_s + eps)    (0 where that is 0)
+
+for non-negative features q, k (B, H, T, F) and values v (B, H, T, D)
+(:func:`causal_linear_attention_reference`, dense). :func:`causal_linear_attention` runs the
+chunked Triton kernels of ``triton_kernels/linear_attention.py`` (compiled on CUDA, under
+Triton's interpreter on CPU tensors; see :mod:`.triton_backend`): per chunk of C rows the
+strictly-lower (C, C) block q k^T against [v, 1] plus the fp32 prefix state
+sum_{s in earlier chunks} k_s [v_s, 1]^T, so the numerator and the denominator come out of one
+pass, and nothing of size T x T or T x F x D is formed. Cost O(T (C + D) F) multiply-adds
+each way; memory saved for backward: the inputs, y and den (the chunk states are recomputed).
+
+Inputs of one floating dtype (fp32, bf16 or fp16; mixed inputs are promoted) are multiplied
+in that dtype with fp32 accumulation; fp32 products use TF32 on the GPU only where PyTorch's
+own fp32 matmuls may (``torch.backends.cuda.matmul.allow_tf32``, i.e.
+``torch.set_float32_matmul_precision("high")``). With bf16 / fp16 inputs the fp32 chunk
+states are rounded to that dtype where they enter a product (as flash attention rounds its
+probabilities).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .triton_backend import fused_reason, triton_module
+
+KERNEL_FILE = Path(__file__).resolve().parent / "triton_kernels" / "linear_attention.py"
+CHUNK = 64  # rows per chunk of the fused kernels
+MAX_VALUE_DIM = 256  # a chunk's (C, D) output block stays in registers
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _block(n: int, cap: int) -> int:
+    """The power of two >= n (at least 16, the smallest ``tl.dot`` side), at most cap."""
+    return min(cap, max(16, 1 << (n - 1).bit_length()))
+
+
+def _check_shapes(q: Tensor, k: Tensor | None, v: Tensor) -> None:
+    k = q if k is None else k
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"causal_linear_attention: features q, k (B, H, T, F) and values v "
+                         f"(B, H, T, D) expected, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+
+
+def linear_attention_unsupported(q: Tensor, k: Tensor | None, v: Tensor) -> str | None:
+    """None when the fused kernels take these inputs (dtypes, value size, the kernel source
+    installed), else why not; the device and the ``MOSAICS_FUSED`` switch are
+    :func:`.triton_backend.fused_reason`'s business."""
+    dtypes = {q.dtype, v.dtype} | ({q.dtype} if k is None else {k.dtype})
+    if not dtypes <= set(DTYPES):
+        return f"dtypes {sorted(map(str, dtypes))}: the fused kernels take fp32, bf16 or fp16"
+    if v.shape[-1] > MAX_VALUE_DIM:
+        return f"value size {v.shape[-1]} > {MAX_VALUE_DIM}"
+    if not KERNEL_FILE.exists():
+        return f"the Triton source {KERNEL_FILE.name} is not installed beside this module"
+    return None
+
+
+def _dot_args(dtype: torch.dtype, device: torch.device) -> dict:
+    """The kernels' PREC (fp32 products: "ieee", or "tf32" where PyTorch allows TF32), DT
+    (the inputs' dtype, to which every product operand is rounded) and DOT (the operands'
+    dtype: DT, or fp32 for bf16 under Triton's interpreter, see ``_op`` in the kernels)."""
+    import triton.language as tl
+
+    cuda = device.type == "cuda"
+    tf32 = not cuda or torch.backends.cuda.matmul.allow_tf32
+    dt = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    dot = tl.float32 if dtype == torch.bfloat16 and not cuda else dt[dtype]
+    return {"PREC": "tf32" if tf32 else "ieee", "DT": dt[dtype], "DOT": dot}
+
+
+def _chunk_states(mod: ModuleType, a: Tensor, b: Tensor, w: Tensor | None, reverse: bool,
+                  chunk: int, dots: dict) -> tuple[Tensor, Tensor]:
+    """Exclusive prefix (suffix when ``reverse``) sums over chunks of a^T b and a^T w:
+    (BH, NC, F, D) and (BH, NC, F) fp32, from a (BH, T, F), b (BH, T, D), w (BH, T) or 1."""
+    BH, T, F = a.shape
+    D = b.shape[-1]
+    nc = -(-T // chunk)
+    S = a.new_empty(BH, nc, F, D, dtype=torch.float32)
+    z = a.new_empty(BH, nc, F, dtype=torch.float32)
+    BK, BD = _block(F, 64), _block(D, 64)
+    grid = (-(-F // BK), -(-D // BD), BH)
+    mod.chunk_states[grid](a, b, S if w is None else w, S, z, T, F, D, nc, HAS_W=w is not None,
+                           REVERSE=reverse, C=chunk, BK=BK, BD=BD, **dots)
+    return S, z
+
+
+class _LinearAttention(torch.autograd.Function):
+    """y (B, H, T, D) of :func:`causal_linear_attention` from q, k (B, H, T, F) (k None:
+    k = q, one gradient) and v (B, H, T, D), all contiguous of one dtype."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor | None, v: Tensor, eps: float, chunk: int) -> Tensor:
+        B, H, T, F = q.shape
+        D = v.shape[-1]
+        mod = triton_module(KERNEL_FILE, q.device)
+        dots = _dot_args(q.dtype, q.device)
+        kk = q if k is None else k
+        q3, k3, v3 = q.view(B * H, T, F), kk.view(B * H, T, F), v.view(B * H, T, D)
+        P, z = _chunk_states(mod, k3, v3, None, False, chunk, dots)
+        y = torch.empty_like(v3)
+        den = q.new_empty(B * H, T, dtype=torch.float32)
+        nc = P.shape[1]
+        mod.chunk_forward[(nc, B * H)](q3, k3, v3, P, z, y, den, T, F, D, nc, eps, C=chunk,
+                                       BK=_block(F, 64), BD=_block(D, MAX_VALUE_DIM), **dots)
+        ctx.save_for_backward(q, k, v, y, den)
+        ctx.chunk, ctx.dots = chunk, dots
+        return y.view(B, H, T, D)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: Tensor):  # noqa: ANN205
+        q, k, v, y, den = ctx.saved_tensors
+        chunk, dots = ctx.chunk, ctx.dots
+        B, H, T, F = q.shape
+        D = v.shape[-1]
+        BH = B * H
+        mod = triton_module(KERNEL_FILE, q.device)
+        kk = q if k is None else k
+        q3, k3, v3 = q.view(BH, T, F), kk.view(BH, T, F), v.view(BH, T, D)
+        dy = dy.reshape(BH, T, D).contiguous()
+        dn = torch.empty(BH, T, D, device=q.device, dtype=torch.float32)
+        dd = torch.empty(BH, T, device=q.device, dtype=torch.float32)
+        BT, BDo = 64, _block(D, MAX_VALUE_DIM)
+        mod.output_grad[(-(-T // BT), BH)](dy, y, den, dn, dd, T, D, BT=BT, BD=BDo)
+        P, z = _chunk_states(mod, k3, v3, None, False, chunk, dots)
+        R, r = _chunk_states(mod, q3, dn, dd, True, chunk, dots)
+        dq = torch.empty_like(q3)
+        dk = dq if k is None else torch.empty_like(k3)
+        dv = torch.empty_like(v3)
+        nc = P.shape[1]
+        mod.chunk_backward[(nc, BH)](q3, k3, v3, dn, dd, P, z, R, r, dq, dk, dv, T, F, D, nc,
+                                     SHARED=k is None, C=chunk, BK=_block(F, 64), BD=BDo,
+                                     **dots)
+        return (dq.view(q.shape), None if k is None else dk.view(k.shape), dv.view(v.shape),
+                None, None)
+
+
+def causal_linear_attention(q: Tensor, k: Tensor | None, v: Tensor, eps: float = 1e-20,
+                            chunk: int = CHUNK) -> Tensor:
+    """y_t = sum_{s<t} (q_t . k_s) v_s / (sum_{s<t} q_t . k_s + eps), 0 where the denominator
+    is 0 (row 0 with eps = 0).
+
+    Args:
+        q, k: (B, H, T, F) non-negative features; k None means k = q (one gradient).
+        v: (B, H, T, D).
+        eps: added to the denominator.
+        chunk: rows per chunk, a power of two >= 16 (the cost per row is O((C + D) F)).
+    Returns:
+        (B, H, T, D) in the promoted dtype of the inputs.
+
+    The fused Triton kernels run where :func:`.triton_backend.fused_reason` and
+    :func:`linear_attention_unsupported` allow (CUDA, or CPU under ``MOSAICS_FUSED=1``; fp32 /
+    bf16 / fp16, D <= 256); elsewhere the same chunks in PyTorch (through autograd, keeping
+    its (C, C) blocks and chunk states for backward).
+    """
+    _check_shapes(q, k, v)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"causal_linear_attention: chunk must be a power of two >= 16, "
+                         f"got {chunk!r}")
+    dtype = q.dtype if k is None else torch.promote_types(q.dtype, k.dtype)
+    dtype = torch.promote_types(dtype, v.dtype)
+    tensors = (q, v) if k is None else (q, k, v)
+    if fused_reason(*tensors) is not None or linear_attention_unsupported(q, k, v) is not None:
+        return _chunked_reference(q.to(dtype), None if k is None else k.to(dtype), v.to(dtype),
+                                  eps, chunk)
+    q, v = q.to(dtype).contiguous(), v.to(dtype).contiguous()
+    k = None if k is None else k.to(dtype).contiguous()
+    return _LinearAttention.apply(q, k, v, float(eps), chunk)
+
+
+def _chunked_reference(q: Tensor, k: Tensor | None, v: Tensor, eps: float,
+                       chunk: int) -> Tensor:
+    """:func:`causal_linear_attention` in PyTorch chunks: per chunk the strictly-lower (C, C)
+    block q k^T against [v, 1] plus q P_c, P_c = sum over earlier chunks of k^T [v, 1]."""
+    k = q if k is None else k
+    B, H, T, F = q.shape
+    n = -(-T // chunk)
+    pad = n * chunk - T
+    v1 = torch.cat([v, v.new_ones(B, H, T, 1)], dim=-1)
+    qc, kc, vc = (torch.nn.functional.pad(x, (0, 0, 0, pad)).view(B, H, n, chunk, -1)
+                  for x in (q, k, v1))
+    o = (qc @ kc.transpose(-1, -2)).tril(-1) @ vc  # (B, H, n, C, D + 1)
+    states = kc.transpose(-1, -2) @ vc  # (B, H, n, F, D + 1)
+    prefix = torch.cat([torch.zeros_like(states[:, :, :1]), states[:, :, :-1].cumsum(2)], 2)
+    o = (o + qc @ prefix).reshape(B, H, n * chunk, -1)[:, :, :T]
+    den = o[..., -1:] + eps
+    return torch.where(den > 0, o[..., :-1] / torch.where(den > 0, den, 1.0), 0.0)
+
+
+def causal_linear_attention_reference(q: Tensor, k: Tensor | None, v: Tensor,
+                                      eps: float = 1e-20) -> Tensor:
+    """The same as :func:`causal_linear_attention`, dense: the strictly-lower (T, T) weights
+    q k^T (s < t) times [v, 1], in the inputs' dtype."""
+    k = q if k is None else k
+    w = (q @ k.transpose(-1, -2)).tril(-1)
+    den = w.sum(-1, keepdim=True) + eps
+    return torch.where(den > 0, (w @ v) / torch.where(den > 0, den, 1.0), 0.0)

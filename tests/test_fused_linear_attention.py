@@ -1,0 +1,141 @@
+"""The fused (Triton) causal linear attention, run under Triton's interpreter on CPU tensors:
+values and gradients against a float64 dense reference, and FSKA's fused path against its
+chunked path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from mosaics.kernels import get_kernel  # noqa: E402
+from mosaics.ops import causal_linear_attention, causal_linear_attention_reference  # noqa: E402
+from mosaics.ops import triton_backend  # noqa: E402
+from mosaics.ops.linear_attention import linear_attention_unsupported  # noqa: E402
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    monkeypatch.setenv("MOSAICS_FUSED", "1")
+    reason = triton_backend.fused_reason(torch.zeros(1))
+    if reason is not None:
+        pytest.skip(f"no interpreted Triton here: {reason}")
+
+
+def _inputs(B, H, T, F, D, dtype, shared, seed=0):
+    """Non-negative features (B, H, T, F), values (B, H, T, D), rounded to ``dtype``, as
+    leaves in ``dtype`` and in float64 (the same numbers)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(B, H, T, F, generator=g) + 0.05
+    k = None if shared else torch.rand(B, H, T, F, generator=g) + 0.05
+    v = torch.randn(B, H, T, D, generator=g)
+    low = [None if x is None else x.to(dtype).requires_grad_() for x in (q, k, v)]
+    ref = [None if x is None else x.detach().double().requires_grad_() for x in low]
+    return low, ref
+
+
+def _leaves(xs):
+    return [x for x in xs if x is not None]
+
+
+def _check(low, ref, chunk, dtype, eps=1e-20):
+    y = causal_linear_attention(*low, eps=eps, chunk=chunk)
+    assert y.dtype == dtype and y.shape == low[2].shape
+    y_ref = causal_linear_attention_reference(*ref, eps=eps)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grads = torch.autograd.grad(y, _leaves(low), dy.to(dtype))
+    grads_ref = torch.autograd.grad(y_ref, _leaves(ref), dy)
+    tol = 2e-5 if dtype == torch.float32 else 3e-2  # relative to each tensor's largest entry
+    for got, want in zip((y, *grads), (y_ref, *grads_ref), strict=True):
+        assert got.dtype == dtype
+        scale = want.abs().max().item()
+        assert (got.double() - want).abs().max().item() <= tol * scale, (got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("T,F,D,chunk", [(37, 20, 11, 16), (129, 70, 24, 32), (5, 3, 65, 64)])
+def test_fused_matches_float64_reference(fused, dtype, shared, T, F, D, chunk):
+    """Odd lengths, feature and value sizes off powers of two (70 features: two feature
+    blocks; 65 values: two value blocks of the chunk states), one to nine chunks."""
+    low, ref = _inputs(2, 2, T, F, D, dtype, shared)
+    _check(low, ref, chunk, dtype)
+
+
+def test_fused_fp16_and_mixed_dtypes(fused):
+    low, ref = _inputs(1, 3, 50, 24, 16, torch.float16, False, seed=3)
+    _check(low, ref, 16, torch.float16)
+    # fp32 features with bf16 values promote to fp32
+    q, k, v = (torch.rand(1, 1, 20, 8), torch.rand(1, 1, 20, 8), torch.randn(1, 1, 20, 4))
+    y = causal_linear_attention(q, k, v.bfloat16(), chunk=16)
+    ref = causal_linear_attention_reference(q.double(), k.double(), v.bfloat16().double())
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_row_without_memory_is_zero(fused):
+    """eps = 0: row 0 has no past (0 / 0); it outputs 0 with zero, finite gradients."""
+    low, ref = _inputs(1, 1, 19, 6, 5, torch.float32, True, seed=2)
+    y = causal_linear_attention(*low, eps=0.0, chunk=16)
+    assert torch.equal(y[:, :, 0], torch.zeros_like(y[:, :, 0]))
+    y.square().sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in _leaves(low))
+    _check(*_inputs(1, 1, 19, 6, 5, torch.float32, True, seed=2), 16, torch.float32, eps=0.0)
+
+
+def test_chunked_pytorch_form_without_the_switch(monkeypatch):
+    """MOSAICS_FUSED=0 (and float64, which the kernels do not take): the same chunks in
+    PyTorch, equal to the dense reference."""
+    monkeypatch.setenv("MOSAICS_FUSED", "0")
+    low, ref = _inputs(1, 2, 45, 9, 7, torch.float64, False, seed=4)
+    y = causal_linear_attention(*low, chunk=16)
+    torch.testing.assert_close(y, causal_linear_attention_reference(*ref))
+    assert "dtypes" in linear_attention_unsupported(*low)
+
+
+def test_bad_inputs_name_the_fix():
+    q = torch.rand(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="power of two"):
+        causal_linear_attention(q, None, torch.randn(1, 2, 8, 3), chunk=24)
+    with pytest.raises(ValueError, match=r"values v \(B, H, T, D\)"):
+        causal_linear_attention(q, None, torch.randn(1, 2, 7, 3))
+
+
+def _fska(positive="elu1"):
+    torch.manual_seed(0)
+    kernel = get_kernel("fska", num_features=10, flow_layers=1, flow_hidden=8,
+                        positive=positive, chunk_size=16)
+    kernel.build(2, 6)
+    return kernel
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_fska_fused_path_equals_chunked_path(fused, monkeypatch, training):
+    """FSKA's strict-past retrieval (20 elu1 features, head size 6, T 45) on the fused path
+    and on its segmented PyTorch path: same output and gradients (keys, values, bandwidth,
+    and in training the flow through the sampled frequencies); PATHS says which ran."""
+    kernel = _fska().train(training)
+    g = torch.Generator().manual_seed(5)
+    keys = torch.nn.functional.normalize(torch.randn(2, 2, 45, 6, generator=g), dim=-1)
+    values = torch.randn(2, 2, 45, 6, generator=g)
+    beta = torch.tensor([2.0, 7.0])
+    params = [p for p in kernel.parameters() if p.requires_grad] if training else []
+    results = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("MOSAICS_FUSED", switch)
+        k, v, b = (x.clone().requires_grad_() for x in (keys, values, beta))
+        torch.manual_seed(1)  # the same frequency draw in training
+        y = kernel(k, v, b)
+        results[switch] = (y, *torch.autograd.grad(y.sin().sum(), (k, v, b, *params)))
+        path = triton_backend.PATHS["fska"]
+        assert path == "fused" if switch == "1" else path.startswith("chunked: MOSAICS_FUSED=0")
+    for got, want in zip(results["1"], results["0"], strict=True):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_fska_exp_map_records_its_chunked_path(fused):
+    kernel = _fska("exp").eval()
+    keys = torch.nn.functional.normalize(torch.randn(1, 2, 9, 6), dim=-1)
+    kernel(keys, torch.randn(1, 2, 9, 6), torch.tensor([2.0, 2.0]))
+    assert triton_backend.PATHS["fska"].startswith("chunked: positive='exp'")
