@@ -1,5 +1,14 @@
 """mosaics: Memory Mosaics language models with pluggable attention kernels."""
 
+import os
+import sys
+
+if os.environ.get("MOSAICS_FUSED") == "1" and "triton" not in sys.modules:
+    import torch
+
+    if not torch.cuda.is_available():  # fused kernels on CPU: Triton's interpreter, chosen
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache import MosaicsCache

@@ -7,16 +7,23 @@ triweight (4/3-entmax). The support adapts per query: p_ts = [(alpha-1) s_ts - t
 Options (``kernel_kwargs``): ``alpha`` (default 1.5) or ``r`` (alpha = 1 + 1/r), not both;
 ``n_iter`` (default 50) caps the Newton (alpha > 2: bisection) iterations of the threshold.
 
-On CUDA, with the ``adasplash`` package installed (``pip install -e ".[gpu]"``), the training
-forward runs through its fused Triton kernels instead (:mod:`.adasplash_backend`, alpha in
-(1, 2]); ``MOSAICS_ADASPLASH=0`` or ``use_adasplash = False`` on a kernel keeps the chunked
-path, which is the reference and serves CPU, decoding and every other case.
+On CUDA the training forward and the prompt run through the project's fused Triton kernel
+(:func:`mosaics.ops.power_attention`, alpha in (1, 2]; ``MOSAICS_FUSED=0`` switches it off).
+With the ``adasplash`` package installed (``pip install -e ".[gpu]"``), its kernels
+(:mod:`.adasplash_backend`) serve the strict past where the project's do not, or first with
+``MOSAICS_ADASPLASH=1``; ``MOSAICS_ADASPLASH=0`` or ``use_adasplash = False`` on a kernel
+keeps them off. The chunked path is the reference and serves CPU, decoding and every other
+case.
 """
 
 from __future__ import annotations
 
+import os
+
 from torch import Tensor
 
+from ..ops.triton_backend import fused_reason
+from .adasplash_backend import ENV_SWITCH as ADASPLASH_SWITCH
 from .adasplash_backend import retrieval as adasplash_retrieval
 from .adasplash_backend import skip_reason as adasplash_skip_reason
 from .base import register_kernel
@@ -49,11 +56,19 @@ class EntmaxKernel(PowerKernel):
         self.score_scale = self.alpha - 1.0
 
     def forward(self, keys: Tensor, values: Tensor, beta: Tensor) -> Tensor:
-        """Strict-past retrieval (see :meth:`~.base.Kernel.forward`): adasplash's fused kernels
-        when :func:`~.adasplash_backend.skip_reason` allows, else the chunked path."""
-        if adasplash_skip_reason(self, keys, values) is None:
+        """Strict-past retrieval (see :meth:`~.base.Kernel.forward`): the project's fused
+        kernel where it serves the call (:meth:`fused_retrieval`); adasplash's where it does
+        not, or first with ``MOSAICS_ADASPLASH=1``, when
+        :func:`~.adasplash_backend.skip_reason` allows; else the chunked path."""
+        prefer = os.environ.get(ADASPLASH_SWITCH, "").strip() == "1"
+        if (prefer or fused_reason(keys, values) is not None) and adasplash_skip_reason(
+                self, keys, values) is None:
             return adasplash_retrieval(keys, values, beta, self.alpha)
         return super().forward(keys, values, beta)
+
+    def fused_form(self) -> tuple[float | None, float | None, bool] | None:
+        """Anchor: the row max; shift: the threshold, solved (alpha <= 2 only)."""
+        return (None, None, True) if self.alpha <= 2.0 else None
 
     def row_shift(self, x: Tensor, bmax: Tensor | None,
                   buffers: tuple[Tensor, Tensor] | None) -> Tensor:

@@ -64,6 +64,9 @@ class EpanechnikovFixedKernel(PowerKernel):
             return beta * 0 + 1  # keeps beta's shape, dtype and graph (a zero gradient)
         return 2 * beta.square() / (2 * beta.square() - 2 * beta + 1)
 
+    def fused_form(self) -> tuple[float | None, float | None, bool] | None:
+        return (1.0, -1.0, False)
+
     def row_shift(self, x: Tensor, bmax: Tensor | None,
                   buffers: tuple[Tensor, Tensor] | None) -> float:
         return -1.0

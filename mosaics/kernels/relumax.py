@@ -42,6 +42,9 @@ class ReLUMaxKernel(PowerKernel):
         """beta, or (regbench-code) beta^2."""
         return beta.square() if self.parametrization == "regbench-code" else beta
 
+    def fused_form(self) -> tuple[float | None, float | None, bool] | None:
+        return (None, -self.b, False)
+
     def row_shift(self, x: Tensor, bmax: Tensor | None,
                   buffers: tuple[Tensor, Tensor] | None) -> float:
         return -self.b

@@ -28,6 +28,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ..ops.power_attention import power_attention
+from ..ops.triton_backend import fused_expected, fused_reason, note_path
 from .base import (
     Kernel,
     KernelState,
@@ -42,6 +44,7 @@ from .base import (
 from .normalizers import BLOCK, block_max, entmax_power, pad_to_block, work_dtype
 
 CHUNK_ELEMENTS = 2**21  # target size of one (B, H, rows, keys) fp32 block, ~8 MB
+FUSED_MAX_HEAD = 128  # largest head or value size of the fused Triton kernels
 TILE_ROWS = 96  # most query rows per tile of the power and kNN kernels (see _tile_rows)
 
 
@@ -108,6 +111,13 @@ class ScoreKernel(Kernel):
         y = retrieve(self, queries, state["keys"], state["values"], beta, offset)
         return y, state
 
+    def fused_retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
+                        lo: Tensor, hi: Tensor) -> Tensor | None:
+        """The retrieval of :meth:`attend` (beta (B or 1, H, n or 1, 1)) through a fused Triton
+        kernel (:mod:`mosaics.ops`), or None where this kernel has none or the fused path does
+        not serve the call (see :mod:`mosaics.ops.triton_backend`). Default: None."""
+        return None
+
     def tiled(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
               tiles: Callable[..., _Tiles]) -> Tensor:
         """The kernel's fused retrieval over the :class:`_Tiles` that ``tiles(q, k, v,
@@ -135,6 +145,9 @@ class ScoreKernel(Kernel):
         offset = causal_offset(lo, hi)
         if beta.dim() == 1 and offset is not None:
             return retrieve(self, queries, keys, values, beta, offset)
+        fused = self.fused_retrieval(queries, keys, values, beta4, lo, hi)
+        if fused is not None:
+            return fused
         if type(self).tiled is ScoreKernel.tiled:  # no fused tiles: the generic chunks
             plan = attend_plan(lo, hi, keys.shape[2], B * H, self.chunk_elements)
             return _IntervalRetrieval.apply(queries, keys, values, beta4, lo, hi, self, plan)
@@ -412,8 +425,40 @@ class PowerKernel(ScoreKernel):
         p = entmax_power(u, self.power)[..., :width]
         return p / p.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
 
+    def fused_form(self) -> tuple[float | None, float | None, bool] | None:
+        """(anchor, shift, entmax) of this kernel in :func:`~mosaics.ops.power_attention.
+        power_attention` terms, or None when it has no fused form (the default: a subclass
+        with its own :meth:`row_shift`)."""
+        return None
+
+    def fused_retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
+                        lo: Tensor, hi: Tensor) -> Tensor | None:
+        form = self.fused_form()
+        reason = fused_reason(queries, keys, values)
+        if reason is None:
+            if form is None:
+                reason = f"{type(self).__name__} has no fused form (its own row_shift)"
+            elif torch.float64 in (queries.dtype, keys.dtype, values.dtype):
+                reason = "float64 inputs (the chunked path is the float64 reference)"
+            elif max(queries.shape[-1], values.shape[-1]) > FUSED_MAX_HEAD:
+                reason = f"head size above {FUSED_MAX_HEAD}"
+        note_path(self.name, reason, expected=fused_expected(queries))
+        if reason is not None:
+            return None
+        B, H, n, _ = queries.shape
+        a = (self.score_scale * beta).expand(B, H, n, 1).reshape(B * H, n)
+        anchor, shift, entmax = form
+        return power_attention(queries, keys, values, a, lo, hi, r=self.power, anchor=anchor,
+                               shift=shift, entmax=entmax)
+
     def retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                   offset: int) -> Tensor:
+        n = queries.shape[2]
+        hi = (torch.arange(n, device=queries.device) + offset).view(1, n)
+        fused = self.fused_retrieval(queries, keys, values, beta.view(1, -1, 1, 1),
+                                     torch.zeros_like(hi), hi)
+        if fused is not None:
+            return fused
         return self.tiled(queries, keys, values, beta.view(1, -1, 1, 1),
                           self.past_tiles(offset))
 

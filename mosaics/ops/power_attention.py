@@ -1,0 +1,231 @@
+"""Power-kernel retrieval over visible intervals, fused (Triton), beside its plain reference.
+
+For queries q_i, keys k_j, values v_j and per-row scales a_i, query i sees the entries
+lo_i <= j <= hi_i (clipped to 0..S-1; none when hi_i < lo_i) and retrieves
+
+    c_ij = q_i . k_j,   u_ij = [a_i (c_ij - m_i) - shift_i]_+,   p_ij = u_ij^r,
+    y_i  = sum_j p_ij v_j / sum_j p_ij         (0 for a row with no weight),
+
+with the anchor m_i the row max of c_i. over the visible j (``anchor=None``) or a constant,
+and shift_i a constant or, ``entmax=True``, the alpha-entmax threshold (alpha = 1 + 1/r) that
+makes sum_j p_ij = 1. These are the weights of :class:`~mosaics.kernels.score_kernel.
+PowerKernel`: epanechnikov (r 1), biweight (r 2), triweight (r 3) and entmax (r >= 1) with
+a = (alpha - 1) beta; relumax (anchor max, shift -b) and epanechnikov_fixed (anchor 1, shift
+-1) with a = beta.
+
+:func:`power_attention` runs Triton kernels (:mod:`.triton_kernels.power_attention`): compiled
+on CUDA tensors, under Triton's interpreter on CPU tensors (slow: for tests). It keeps O(n) per
+row for the backward (m, shift, N), never a score matrix. Scores, thresholds and sums are
+fp32; bf16/fp16 inputs enter the products as they are (fp32 accumulation), fp32 inputs in
+full fp32 (``input_precision="ieee"``: tf32 scores would be off by ~1e-3 beta).
+:func:`power_attention_reference` is the same map written densely in PyTorch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .triton_backend import triton_module
+
+KERNELS = Path(__file__).parent / "triton_kernels" / "power_attention.py"
+NEWTON_STEPS = 30  # cap on the threshold's Newton passes (r >= 1: monotone, 3-6 measured)
+NEWTON_TOL = 1e-6  # a Newton step below this (scores are O(beta)) ends the passes
+
+
+def _r_kind(r: float) -> int:
+    return int(r) if r in (1.0, 2.0, 3.0) else 0
+
+
+def _blocks(device: torch.device, d: int, dv: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, num_warps) for a head size d and value size dv."""
+    bd = max(16, triton_next_pow2(d))
+    bdv = max(16, triton_next_pow2(dv))
+    if device.type != "cuda":
+        return 16, 16, bd, bdv, 1  # the interpreter: small blocks are faster
+    wide = max(bd, bdv) > 64
+    return (64, 32 if wide else 64, bd, bdv, 8 if wide else 4)
+
+
+def triton_next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _row_bounds(lo: Tensor, hi: Tensor, S: int) -> tuple[Tensor, Tensor]:
+    """(B or 1, n) int32 bounds clipped to -1..S."""
+    return (lo.clamp(-1, S).to(torch.int32).contiguous(),
+            hi.clamp(-1, S).to(torch.int32).contiguous())
+
+
+def _query_blocks(lo: Tensor, hi: Tensor, S: int, block_m: int, block_n: int) -> tuple[Tensor,
+                                                                                     Tensor]:
+    """(B or 1, key blocks) first and last query block whose rows may see each key block
+    (last < first: none), from the union of each query block's visible columns."""
+    nb_q = -(-lo.shape[1] // block_m)
+    nb_k = max(1, -(-S // block_n))
+    pad = nb_q * block_m - lo.shape[1]
+    lo_c, hi_c = lo.clamp_min(0), hi.clamp_max(S - 1)
+    empty = hi_c < lo_c
+    big = torch.iinfo(torch.int32).max
+    lo_b = torch.nn.functional.pad(lo_c.masked_fill(empty, big), (0, pad), value=big)
+    hi_b = torch.nn.functional.pad(hi_c.masked_fill(empty, -1), (0, pad), value=-1)
+    q_lo = lo_b.view(lo.shape[0], nb_q, block_m).amin(-1)  # (B, nb_q) first visible column
+    q_hi = hi_b.view(lo.shape[0], nb_q, block_m).amax(-1)
+    k0 = torch.arange(nb_k, device=lo.device) * block_n
+    sees = (q_lo.unsqueeze(-1) <= (k0 + block_n - 1)) & (q_hi.unsqueeze(-1) >= k0)  # (B, q, k)
+    idx = torch.arange(nb_q, device=lo.device).view(1, nb_q, 1)
+    first = torch.where(sees, idx, nb_q).amin(1)
+    last = torch.where(sees, idx, -1).amax(1)
+    return first.to(torch.int32).contiguous(), last.to(torch.int32).contiguous()
+
+
+class _PowerAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, a: Tensor, lo: Tensor, hi: Tensor,
+                r: float, anchor: float | None, shift: float | None, entmax: bool) -> Tensor:
+        B, H, n, D = q.shape
+        S, DV = k.shape[2], v.shape[-1]
+        dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        qf, kf, vf = (x.to(dt).reshape(B * H, x.shape[2], x.shape[3]).contiguous()
+                      for x in (q, k, v))
+        af = a.to(torch.float32).contiguous()
+        lo_i, hi_i = _row_bounds(lo, hi, S)
+        bm, bn, bd, bdv, warps = _blocks(q.device, D, DV)
+        out = torch.zeros(B * H, n, DV, dtype=torch.float32, device=q.device)
+        stats = torch.zeros(3, B * H, n, dtype=torch.float32, device=q.device)  # m, shift, N
+        arg = torch.zeros(B * H, n, dtype=torch.int32, device=q.device)
+        if n and S:
+            mod = triton_module(KERNELS)
+            mod._power_fwd[(_cdiv(n, bm), B * H)](
+                qf, kf, vf, af, lo_i, hi_i, out, stats[0], stats[1], stats[2], arg,
+                qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0),
+                vf.stride(1), out.stride(0), out.stride(1),
+                lo_i.stride(0) if lo_i.shape[0] > 1 else 0,
+                H, n, S, D, DV, float(r), float(-1.0 if shift is None else shift),
+                float(0.0 if anchor is None else anchor), NEWTON_TOL,
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bdv, ANCHOR_MAX=anchor is None,
+                SOLVE=entmax, R_KIND=_r_kind(r), N_ITER=NEWTON_STEPS, IEEE=dt == torch.float32,
+                num_warps=warps)
+        ctx.config = (r, anchor, entmax, (bm, bn, bd, bdv, warps), dt, q.dtype, k.dtype, v.dtype,
+                      a.dtype)
+        ctx.save_for_backward(qf, kf, vf, af, lo_i, hi_i, out, stats, arg)
+        return out.view(B, H, n, DV).to(v.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):  # noqa: ANN205
+        qf, kf, vf, af, lo_i, hi_i, y, stats, arg = ctx.saved_tensors
+        r, anchor, entmax, (bm, bn, bd, bdv, warps), dt, q_dt, k_dt, v_dt, a_dt = ctx.config
+        B, H, n, DV = grad.shape
+        BH, S, D = kf.shape
+        m, shift, total = stats
+        g = grad.reshape(BH, n, DV).to(dt).contiguous()
+        valid = total > 0
+        safe = torch.where(valid, total, 1.0)
+        inv = torch.where(valid, 1.0 / safe, 0.0)
+        kappa = torch.where(valid, r * safe.pow(1.0 / r - 1.0) if entmax else r * inv, 0.0)
+        c = torch.zeros_like(total) if entmax else (g.float() * y).sum(-1)
+        dq = torch.zeros(BH, n, bd, dtype=torch.float32, device=qf.device)
+        dk = torch.zeros(BH, S, bd, dtype=torch.float32, device=qf.device)
+        dv = torch.zeros(BH, S, bdv, dtype=torch.float32, device=qf.device)
+        rsum = torch.zeros_like(total)
+        s_lo = lo_i.stride(0) if lo_i.shape[0] > 1 else 0
+        if n and S:
+            mod = triton_module(KERNELS)
+            common = (qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0),
+                      vf.stride(1), g.stride(0), g.stride(1), s_lo)
+            consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": bd, "BLOCK_DV": bdv,
+                      "R_KIND": _r_kind(r), "IEEE": dt == torch.float32, "num_warps": warps}
+            mod._power_bwd_dq[(_cdiv(n, bm), BH)](
+                qf, kf, vf, g, af, lo_i, hi_i, m, shift, kappa, c, dq, rsum, *common,
+                H, n, S, D, DV, float(r), SOLVE=entmax, **consts)
+            first, last = _query_blocks(lo_i, hi_i, S, bm, bn)
+            mod._power_bwd_dkv[(_cdiv(S, bn), BH)](
+                qf, kf, vf, g, af, lo_i, hi_i, m, shift, kappa, c, inv, first, last, dk, dv,
+                *common, first.stride(0) if first.shape[0] > 1 else 0,
+                H, n, S, D, DV, float(r), first.shape[1], **consts)
+        dq, dk, dv = dq[..., :D], dk[..., :D], dv[..., :DV]
+        qd = qf.float()
+        da = (dq * qd).sum(-1) - m * rsum
+        dq = dq * af.unsqueeze(-1)
+        if anchor is None and not entmax and S:  # m_i = max_j c_ij moves with c at its arg max
+            coef = (-af * rsum).unsqueeze(-1)
+            idx = arg.long().clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, D)
+            dq = dq + coef * kf.float().gather(1, idx)
+            dk = dk.scatter_add(1, idx, coef * qd)
+        return (dq.view(B, H, n, D).to(q_dt), dk.view(B, H, S, D).to(k_dt),
+                dv.view(B, H, S, DV).to(v_dt), da.to(a_dt), None, None, None, None, None, None)
+
+
+def power_attention(q: Tensor, k: Tensor, v: Tensor, a: Tensor, lo: Tensor, hi: Tensor, *,
+                    r: float, anchor: float | None = None, shift: float | None = None,
+                    entmax: bool = False) -> Tensor:
+    """Fused power-kernel retrieval (see the module docstring).
+
+    Args:
+        q: (B, H, n, D) queries; k: (B, H, S, D) keys; v: (B, H, S, DV) values.
+        a: (B H, n) fp32 scale of each query row's scores (differentiable).
+        lo, hi: (B or 1, n) integer bounds of the entries each query sees.
+        r: the power (> 0; >= 1 with ``entmax``).
+        anchor: the constant m_i, or None for the row max.
+        shift: the constant shift_i (ignored with ``entmax``).
+        entmax: solve shift_i so that the row's weights sum to one.
+    Returns:
+        (B, H, n, DV) in the values' dtype.
+    """
+    if entmax and r < 1:
+        raise ValueError(f"fused entmax needs r >= 1 (alpha <= 2), got r={r}")
+    if not entmax and shift is None:
+        raise ValueError("power_attention needs a constant shift unless entmax=True")
+    B, H, n, _ = q.shape
+    if a.shape != (B * H, n):
+        raise ValueError(f"a must have shape (B H, n) = ({B * H}, {n}), got {tuple(a.shape)}")
+    return _PowerAttention.apply(q, k, v, a, lo, hi, float(r), anchor, shift, entmax)
+
+
+def power_attention_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, lo: Tensor,
+                              hi: Tensor, *, r: float, anchor: float | None = None,
+                              shift: float | None = None, entmax: bool = False) -> Tensor:
+    """The same map as :func:`power_attention`, densely in PyTorch (autograd throughout; the
+    entmax threshold by bisection, then one exact renormalization). Computes in the inputs'
+    dtype promoted to at least fp32."""
+    B, H, n, _ = q.shape
+    S = k.shape[2]
+    dt = torch.promote_types(q.dtype, torch.float32)
+    c = q.to(dt) @ k.to(dt).transpose(-1, -2)  # (B, H, n, S)
+    j = torch.arange(S, device=q.device)
+    vis = ((j >= lo.unsqueeze(-1)) & (j <= hi.unsqueeze(-1))).unsqueeze(1)  # (B or 1, 1, n, S)
+    scale = a.to(dt).view(B, H, n, 1)
+    if anchor is None:
+        m = c.masked_fill(~vis, float("-inf")).amax(-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    else:
+        m = torch.full_like(c[..., :1], anchor)
+    x = scale * (c - m)
+    if entmax:
+        with torch.no_grad():
+            xm = x.masked_fill(~vis, float("-inf"))
+            lo_t, hi_t = torch.full_like(m, -1.0), torch.zeros_like(m)
+            for _ in range(100):  # sum_j [x - tau]_+^r decreases in tau; root in [-1, 0]
+                mid = (lo_t + hi_t) / 2
+                big = (xm - mid).clamp_min(0).pow(r).sum(-1, keepdim=True) > 1
+                lo_t, hi_t = torch.where(big, mid, lo_t), torch.where(big, hi_t, mid)
+            tau = (lo_t + hi_t) / 2
+            h = torch.where(vis & (xm > tau), (xm - tau).clamp_min(0).pow(r - 1), 0.0)
+            h = h / h.sum(-1, keepdim=True).clamp_min(1e-30)
+        # the threshold follows x: sum_j [x_j - tau]_+^r = 1 gives d tau / d x_j = h_j / sum h
+        tau = tau + (h * (x - x.detach())).sum(-1, keepdim=True)
+        u = (x - tau).clamp_min(0)
+    else:
+        u = (x - shift).clamp_min(0)
+    p = torch.where(vis, u.pow(r), 0.0)
+    total = p.sum(-1, keepdim=True)
+    w = p / torch.where(total > 0, total, torch.ones_like(total))
+    return (w @ v.to(dt)).to(v.dtype)

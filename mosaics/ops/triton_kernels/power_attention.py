@@ -1,0 +1,280 @@
+"""Triton kernels of the power-kernel retrieval (see :mod:`mosaics.ops.power_attention`).
+
+Per query row i (scores c_ij = q_i . k_j over its visible entries lo_i <= j <= hi_i):
+
+    x_ij = a_i (c_ij - m_i),  u_ij = [x_ij - shift_i]_+,  p_ij = u_ij^r,  N_i = sum_j p_ij,
+    y_i  = sum_j p_ij v_j / N_i   (0 when N_i = 0),
+
+m_i the row max of c (ANCHOR_MAX) or a constant, shift_i a constant or (SOLVE) the
+alpha-entmax threshold: Newton on g(tau) = (sum_j [x_ij - tau]_+^r)^(1/r) - 1 from tau = -1,
+one pass over the row's keys per step. Every loop walks the key blocks of a block of query
+rows; no score block outlives its loop body.
+
+Backward (dx = kappa h (dp - c), h = u^(r-1), dp_ij = g_i . v_j):
+- ``_power_bwd_dq``, per block of query rows: (SOLVE) c_i = sum h dp / sum h in a first pass,
+  then dq~_i = sum_j dx_ij k_j and sum_j dx_ij;
+- ``_power_bwd_dkv``, per block of keys, over the query blocks that see them:
+  dv_j = sum_i (p_ij / N_i) g_i and dk_j = sum_i a_i dx_ij q_i.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _power(u, R_KIND: tl.constexpr, r):
+    """u^r for u >= 0 (R_KIND 1: r = 1, 2: r = 2, 3: r = 3, 0: any r > 0)."""
+    if R_KIND == 1:
+        return u
+    if R_KIND == 2:
+        return u * u
+    if R_KIND == 3:
+        return u * u * u
+    return tl.where(u > 0, tl.exp(r * tl.log(tl.maximum(u, 1e-38))), 0.0)
+
+
+@triton.jit
+def _power_m1(u, R_KIND: tl.constexpr, r):
+    """h = u^(r-1) on u > 0, 0 elsewhere."""
+    if R_KIND == 1:
+        return tl.where(u > 0, 1.0, 0.0)
+    if R_KIND == 2:
+        return u
+    if R_KIND == 3:
+        return u * u
+    return tl.where(u > 0, tl.exp((r - 1.0) * tl.log(tl.maximum(u, 1e-38))), 0.0)
+
+
+@triton.jit
+def _scores(q, k_ptrs, j, d_ok, S, IEEE: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) fp32 scores of the rows q against keys j (rows of k_ptrs)."""
+    k = tl.load(k_ptrs, mask=(j[:, None] < S) & d_ok[None, :], other=0.0)
+    return _dot(q, tl.trans(k), IEEE)
+
+
+@triton.jit
+def _power_fwd(Q, K, V, A, LO, HI, OUT, M, SHIFT, NSUM, ARG,
+               sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, so_bh, so_n, s_lo_b,
+               H, n, S, D, DV, r, shift_const, anchor_const, tol,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_DV: tl.constexpr, ANCHOR_MAX: tl.constexpr, SOLVE: tl.constexpr,
+               R_KIND: tl.constexpr, N_ITER: tl.constexpr, IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    batch = bh // H
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n
+    dd = tl.arange(0, BLOCK_D)
+    d_ok = dd < D
+    dv = tl.arange(0, BLOCK_DV)
+    dv_ok = dv < DV
+    cols = tl.arange(0, BLOCK_N)
+
+    q = tl.load(Q + bh * sq_bh + rows[:, None] * sq_n + dd[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    lo = tl.load(LO + batch * s_lo_b + rows, mask=row_ok, other=0)
+    hi = tl.load(HI + batch * s_lo_b + rows, mask=row_ok, other=-1)
+    lo = tl.maximum(lo, 0)
+    hi = tl.minimum(hi, S - 1)
+    a = tl.load(A + bh * n + rows, mask=row_ok, other=0.0)
+    start = (tl.min(tl.where(row_ok & (hi >= lo), lo, S), axis=0) // BLOCK_N) * BLOCK_N
+    end = tl.max(tl.where(row_ok, hi, -1), axis=0) + 1
+    k_base = K + bh * sk_bh + dd[None, :]
+
+    # the anchor m: the row max of the visible scores, or a constant
+    m = tl.full((BLOCK_M,), anchor_const, tl.float32)
+    arg = tl.zeros((BLOCK_M,), tl.int32)
+    if ANCHOR_MAX:
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        for j0 in range(start, end, BLOCK_N):
+            j = j0 + cols
+            c = _scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE)
+            vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
+            c = tl.where(vis, c, float("-inf"))
+            bm = tl.max(c, axis=1)
+            barg = tl.argmax(c, axis=1).to(tl.int32) + j0
+            better = bm > m
+            arg = tl.where(better, barg, arg)
+            m = tl.where(better, bm, m)
+        m = tl.where(m == float("-inf"), 0.0, m)
+
+    # the shift: a constant, or the alpha-entmax threshold (Newton from tau = -1)
+    shift = tl.full((BLOCK_M,), shift_const, tl.float32)
+    if SOLVE:
+        tau = tl.full((BLOCK_M,), -1.0, tl.float32)
+        it = 0
+        moving = 1
+        while (it < N_ITER) & (moving > 0):
+            f = tl.zeros((BLOCK_M,), tl.float32)
+            s = tl.zeros((BLOCK_M,), tl.float32)
+            for j0 in range(start, end, BLOCK_N):
+                j = j0 + cols
+                c = _scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE)
+                vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
+                d = tl.where(vis, tl.maximum(a[:, None] * (c - m[:, None]) - tau[:, None],
+                                             0.0), 0.0)
+                f += tl.sum(_power(d, R_KIND, r), axis=1)
+                s += tl.sum(_power_m1(d, R_KIND, r), axis=1)
+            # g(tau) = f^(1/r) - 1; Newton: tau += (f - f^(1 - 1/r)) / s
+            f_low = tl.where(f > 0, tl.exp((1.0 - 1.0 / r) * tl.log(tl.maximum(f, 1e-38))), 0.0)
+            step = tl.where(s > 0, (f - f_low) / tl.maximum(s, 1e-38), 0.0)
+            tau += step
+            it += 1
+            moving = tl.sum(tl.where(tl.abs(step) > tol, 1, 0), axis=0)
+        shift = tau
+
+    # the output: y = sum_j p_ij v_j / N_i
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    v_base = V + bh * sv_bh + dv[None, :]
+    for j0 in range(start, end, BLOCK_N):
+        j = j0 + cols
+        c = _scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE)
+        vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
+        u = tl.where(vis, tl.maximum(a[:, None] * (c - m[:, None]) - shift[:, None], 0.0), 0.0)
+        p = _power(u, R_KIND, r)
+        total += tl.sum(p, axis=1)
+        v = tl.load(v_base + j[:, None] * sv_n, mask=(j[:, None] < S) & dv_ok[None, :], other=0.0)
+        acc += _dot(p.to(v.dtype), v, IEEE)
+    inv = tl.where(total > 0, 1.0 / tl.maximum(total, 1e-38), 0.0)
+    tl.store(OUT + bh * so_bh + rows[:, None] * so_n + dv[None, :], acc * inv[:, None],
+             mask=row_ok[:, None] & dv_ok[None, :])
+    stat = bh * n + rows
+    tl.store(M + stat, m, mask=row_ok)
+    tl.store(SHIFT + stat, shift, mask=row_ok)
+    tl.store(NSUM + stat, total, mask=row_ok)
+    tl.store(ARG + stat, arg, mask=row_ok)
+
+
+@triton.jit
+def _power_bwd_dq(Q, K, V, G, A, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM,
+                  sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, sg_bh, sg_n, s_lo_b,
+                  H, n, S, D, DV, r,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, SOLVE: tl.constexpr, R_KIND: tl.constexpr,
+                  IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    batch = bh // H
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n
+    dd = tl.arange(0, BLOCK_D)
+    d_ok = dd < D
+    dv = tl.arange(0, BLOCK_DV)
+    dv_ok = dv < DV
+    cols = tl.arange(0, BLOCK_N)
+
+    q = tl.load(Q + bh * sq_bh + rows[:, None] * sq_n + dd[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    g = tl.load(G + bh * sg_bh + rows[:, None] * sg_n + dv[None, :],
+                mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+    lo = tl.maximum(tl.load(LO + batch * s_lo_b + rows, mask=row_ok, other=0), 0)
+    hi = tl.minimum(tl.load(HI + batch * s_lo_b + rows, mask=row_ok, other=-1), S - 1)
+    stat = bh * n + rows
+    a = tl.load(A + stat, mask=row_ok, other=0.0)
+    m = tl.load(M + stat, mask=row_ok, other=0.0)
+    shift = tl.load(SHIFT + stat, mask=row_ok, other=0.0)
+    kappa = tl.load(KAPPA + stat, mask=row_ok, other=0.0)
+    start = (tl.min(tl.where(row_ok & (hi >= lo), lo, S), axis=0) // BLOCK_N) * BLOCK_N
+    end = tl.max(tl.where(row_ok, hi, -1), axis=0) + 1
+    k_base = K + bh * sk_bh + dd[None, :]
+    v_base = V + bh * sv_bh + dv[None, :]
+
+    if SOLVE:  # c_i = sum_j h dp / sum_j h
+        num = tl.zeros((BLOCK_M,), tl.float32)
+        den = tl.zeros((BLOCK_M,), tl.float32)
+        for j0 in range(start, end, BLOCK_N):
+            j = j0 + cols
+            cs = _scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE)
+            vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
+            u = tl.where(vis, tl.maximum(a[:, None] * (cs - m[:, None]) - shift[:, None], 0.0),
+                         0.0)
+            h = _power_m1(u, R_KIND, r)
+            v = tl.load(v_base + j[:, None] * sv_n, mask=(j[:, None] < S) & dv_ok[None, :],
+                        other=0.0)
+            dp = _dot(g, tl.trans(v), IEEE)
+            num += tl.sum(h * dp, axis=1)
+            den += tl.sum(h, axis=1)
+        cc = tl.where(den > 0, num / tl.maximum(den, 1e-38), 0.0)
+        tl.store(C + stat, cc, mask=row_ok)
+    else:
+        cc = tl.load(C + stat, mask=row_ok, other=0.0)
+
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    rsum = tl.zeros((BLOCK_M,), tl.float32)
+    for j0 in range(start, end, BLOCK_N):
+        j = j0 + cols
+        k = tl.load(k_base + j[:, None] * sk_n, mask=(j[:, None] < S) & d_ok[None, :], other=0.0)
+        cs = _dot(q, tl.trans(k), IEEE)
+        vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
+        u = tl.where(vis, tl.maximum(a[:, None] * (cs - m[:, None]) - shift[:, None], 0.0), 0.0)
+        h = _power_m1(u, R_KIND, r)
+        v = tl.load(v_base + j[:, None] * sv_n, mask=(j[:, None] < S) & dv_ok[None, :],
+                    other=0.0)
+        dp = _dot(g, tl.trans(v), IEEE)
+        dx = kappa[:, None] * h * (dp - cc[:, None])
+        rsum += tl.sum(dx, axis=1)
+        dq += _dot(dx.to(k.dtype), k, IEEE)
+    tl.store(DQ + bh * n * BLOCK_D + rows[:, None] * BLOCK_D + dd[None, :], dq,
+             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(RSUM + stat, rsum, mask=row_ok)
+
+
+@triton.jit
+def _power_bwd_dkv(Q, K, V, G, A, LO, HI, M, SHIFT, KAPPA, C, INV, QB_FIRST, QB_LAST, DK, DV_OUT,
+                   sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, sg_bh, sg_n, s_lo_b, s_qb_b,
+                   H, n, S, D, DV, r, n_kb,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, R_KIND: tl.constexpr, IEEE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    batch = bh // H
+    j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    j_ok = j < S
+    dd = tl.arange(0, BLOCK_D)
+    d_ok = dd < D
+    dv = tl.arange(0, BLOCK_DV)
+    dv_ok = dv < DV
+    k = tl.load(K + bh * sk_bh + j[:, None] * sk_n + dd[None, :],
+                mask=j_ok[:, None] & d_ok[None, :], other=0.0)
+    v = tl.load(V + bh * sv_bh + j[:, None] * sv_n + dv[None, :],
+                mask=j_ok[:, None] & dv_ok[None, :], other=0.0)
+    first = tl.load(QB_FIRST + batch * s_qb_b + pid_n)
+    last = tl.load(QB_LAST + batch * s_qb_b + pid_n)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dvv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+    for qb in range(first, last + 1):
+        rows = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n
+        lo = tl.maximum(tl.load(LO + batch * s_lo_b + rows, mask=row_ok, other=0), 0)
+        hi = tl.minimum(tl.load(HI + batch * s_lo_b + rows, mask=row_ok, other=-1), S - 1)
+        q = tl.load(Q + bh * sq_bh + rows[:, None] * sq_n + dd[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        g = tl.load(G + bh * sg_bh + rows[:, None] * sg_n + dv[None, :],
+                    mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+        stat = bh * n + rows
+        a = tl.load(A + stat, mask=row_ok, other=0.0)
+        m = tl.load(M + stat, mask=row_ok, other=0.0)
+        shift = tl.load(SHIFT + stat, mask=row_ok, other=0.0)
+        kappa = tl.load(KAPPA + stat, mask=row_ok, other=0.0)
+        cc = tl.load(C + stat, mask=row_ok, other=0.0)
+        inv = tl.load(INV + stat, mask=row_ok, other=0.0)
+        cs = _dot(q, tl.trans(k), IEEE)
+        vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None]) & j_ok[None, :]
+        u = tl.where(vis, tl.maximum(a[:, None] * (cs - m[:, None]) - shift[:, None], 0.0), 0.0)
+        p = _power(u, R_KIND, r) * inv[:, None]
+        dvv += _dot(tl.trans(p).to(g.dtype), g, IEEE)
+        dp = _dot(g, tl.trans(v), IEEE)
+        dx = (a * kappa)[:, None] * _power_m1(u, R_KIND, r) * (dp - cc[:, None])
+        dk += _dot(tl.trans(dx).to(q.dtype), q, IEEE)
+    tl.store(DK + bh * S * BLOCK_D + j[:, None] * BLOCK_D + dd[None, :], dk,
+             mask=j_ok[:, None] & d_ok[None, :])
+    tl.store(DV_OUT + bh * S * BLOCK_DV + j[:, None] * BLOCK_DV + dv[None, :], dvv,
+             mask=j_ok[:, None] & dv_ok[None, :])
