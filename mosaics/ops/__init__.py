@@ -10,9 +10,11 @@ op                       reference                       what it computes
 ``bank_attention``       ``bank_attention_reference``    softmax(q M_k^T) M_v
 ``linear_cross_entropy`` ``linear_cross_entropy_ref..``  CE(h W^T, y) without the logits
 ``causal_linear_att..``  ``causal_linear_att.._ref..``   sum_{s<t} q_t.k_s [v_s, 1], normalised
+``power_attention``      ``power_attention_reference``   [a (q.k - m) - s]_+^r / sum, j in lo..hi
 =======================  ==============================  ======================================
 
-Each op chooses its form inside (device, dtype, sizes, gradients, ``MOSAICS_CPU_EXTENSION``),
+Each op chooses its form inside (device, dtype, sizes, gradients, ``MOSAICS_CPU_EXTENSION``,
+``MOSAICS_FUSED`` for the Triton kernels: :mod:`.triton_backend`),
 so the model code (:mod:`mosaics.memory`) never names a fused kernel. ``tests/test_ops.py``
 checks every op against its reference, value and gradient, in float64.
 """
@@ -22,6 +24,7 @@ from .causal import causal_attention, causal_attention_reference
 from .fused_loss import linear_cross_entropy, linear_cross_entropy_reference
 from .leaky import decay_rate, leaky_average, leaky_average_reference
 from .linear_attention import causal_linear_attention, causal_linear_attention_reference
+from .power_attention import power_attention, power_attention_reference
 from .unit import (
     lookahead_values,
     lookahead_values_reference,
@@ -43,6 +46,8 @@ __all__ = [
     "linear_cross_entropy_reference",
     "lookahead_values",
     "lookahead_values_reference",
+    "power_attention",
+    "power_attention_reference",
     "unit_vectors",
     "unit_vectors_reference",
 ]

@@ -45,13 +45,20 @@ def _blocks(device: torch.device, d: int, dv: int) -> tuple[int, int, int, int, 
     bd = max(16, triton_next_pow2(d))
     bdv = max(16, triton_next_pow2(dv))
     if device.type != "cuda":
-        return 16, 16, bd, bdv, 1  # the interpreter: small blocks are faster
+        return 32, 32, bd, bdv, 1  # the interpreter: fewer, larger numpy operations
     wide = max(bd, bdv) > 64
     return (64, 32 if wide else 64, bd, bdv, 8 if wide else 4)
 
 
 def triton_next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _ieee(dtype: torch.dtype, device: torch.device) -> bool:
+    """Full-fp32 products: for fp32 inputs, and for every dtype under Triton's interpreter
+    (CPU tensors), whose bf16/fp16 ``tl.dot`` is wrong (bf16 products are exact in fp32, so
+    upcasting first changes only the summation order)."""
+    return dtype == torch.float32 or device.type != "cuda"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -111,7 +118,7 @@ class _PowerAttention(torch.autograd.Function):
                 H, n, S, D, DV, float(r), float(-1.0 if shift is None else shift),
                 float(0.0 if anchor is None else anchor), NEWTON_TOL,
                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bdv, ANCHOR_MAX=anchor is None,
-                SOLVE=entmax, R_KIND=_r_kind(r), N_ITER=NEWTON_STEPS, IEEE=dt == torch.float32,
+                SOLVE=entmax, R_KIND=_r_kind(r), N_ITER=NEWTON_STEPS, IEEE=_ieee(dt, q.device),
                 num_warps=warps)
         ctx.config = (r, anchor, entmax, (bm, bn, bd, bdv, warps), dt, q.dtype, k.dtype, v.dtype,
                       a.dtype)
@@ -142,7 +149,7 @@ class _PowerAttention(torch.autograd.Function):
             common = (qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0),
                       vf.stride(1), g.stride(0), g.stride(1), s_lo)
             consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": bd, "BLOCK_DV": bdv,
-                      "R_KIND": _r_kind(r), "IEEE": dt == torch.float32, "num_warps": warps}
+                      "R_KIND": _r_kind(r), "IEEE": _ieee(dt, qf.device), "num_warps": warps}
             mod._power_bwd_dq[(_cdiv(n, bm), BH)](
                 qf, kf, vf, g, af, lo_i, hi_i, m, shift, kappa, c, dq, rsum, *common,
                 H, n, S, D, DV, float(r), SOLVE=entmax, **consts)

@@ -23,8 +23,10 @@ import triton.language as tl
 
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b with fp32 accumulation: IEEE (fp32 inputs, or any inputs under the interpreter,
+    whose bf16 products are wrong) multiplies in full fp32, else in the inputs' dtype."""
     if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b)
 
 

@@ -1,0 +1,212 @@
+"""The fused power-kernel retrieval (alpha-entmax, relumax, epanechnikov_fixed) against its
+dense float64 reference and the kernels' chunked paths, run on CPU under Triton's
+interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` where there is no CUDA)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+if not (triton.knobs.runtime.interpret or torch.cuda.is_available()):
+    pytest.skip("Triton imported without its interpreter (TRITON_INTERPRET=1)",
+                allow_module_level=True)
+
+from mosaics.kernels import get_kernel  # noqa: E402
+from mosaics.ops import power_attention, power_attention_reference  # noqa: E402
+from mosaics.ops import triton_backend as tb  # noqa: E402
+
+FORMS = {  # name: (r, anchor, shift, entmax, score scale)
+    "sparsemax": (1.0, None, None, True, 1.0),
+    "entmax15": (2.0, None, None, True, 0.5),
+    "entmax43": (3.0, None, None, True, 1 / 3),
+    "entmax_r1.5": (1.5, None, None, True, 2 / 3),
+    "relumax": (1.0, None, -1.0, False, 1.0),
+    "relumax_r2_b0.5": (2.0, None, -0.5, False, 1.0),
+    "fixed": (1.0, 1.0, -1.0, False, 1.0),
+    "fixed_r1.5": (1.5, 1.0, -1.0, False, 1.0),
+}
+
+
+def unit(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def inputs(B: int, H: int, n: int, S: int, D: int, seed: int, spread: float = 1.0):
+    """Unit queries and keys around a shared direction (cosines spread over [-1, 1])."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(1, 1, 1, D, generator=g, dtype=torch.float64)
+    q = unit(spread * torch.randn(B, H, n, D, generator=g, dtype=torch.float64) + common)
+    k = unit(spread * torch.randn(B, H, S, D, generator=g, dtype=torch.float64) + common)
+    v = torch.randn(B, H, S, D, generator=g, dtype=torch.float64)
+    return q, k, v
+
+
+def run_both(form: str, q, k, v, beta: torch.Tensor, lo, hi, dtype=torch.float32):
+    """(fused output and grads, float64 reference output and grads) for one form."""
+    r, anchor, shift, entmax, scale = FORMS[form]
+    B, H, n, _ = q.shape
+    beta = beta.view(1, H, 1) if beta.dim() == 1 else beta  # per head, or (1, 1, n) per row
+    a64 = (scale * beta).expand(B, H, n).reshape(B * H, n).contiguous()
+    rounded = [x.to(dtype).double() for x in (q, k, v)]  # the fused inputs, exactly
+    fused_in = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+    a32 = a64.float().requires_grad_()
+    ref_in = [x.clone().requires_grad_() for x in rounded]
+    a_ref = a64.clone().requires_grad_()
+    kw = dict(r=r, anchor=anchor, shift=shift, entmax=entmax)
+    y = power_attention(*fused_in, a32, lo, hi, **kw)
+    y_ref = power_attention_reference(*ref_in, a_ref, lo, hi, **kw)
+    g = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    (y.double() * g).sum().backward()
+    (y_ref * g).sum().backward()
+    got = [y.double()] + [x.grad.double() for x in fused_in] + [a32.grad.double()]
+    want = [y_ref] + [x.grad for x in ref_in] + [a_ref.grad]
+    return got, want
+
+
+def assert_close(got, want, rtol: float, atol: float) -> None:
+    for name, x, y in zip(("y", "dq", "dk", "dv", "da"), got, want):
+        scale = y.abs().max().item() + 1.0
+        err = (x - y).abs().max().item()
+        assert err <= atol * scale + rtol * y.abs().max().item(), (name, err, scale)
+
+
+def past(n: int, offset: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    hi = (torch.arange(n) + offset).view(1, n)
+    return torch.zeros_like(hi), hi
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_strict_past_matches_reference_fp32(form):
+    q, k, v = inputs(1, 2, 37, 37, 16, seed=1)
+    fixed = FORMS[form][1] is not None  # a narrow fixed window would leave most rows empty
+    beta = torch.tensor([1.5, 3.0] if fixed else [6.0, 15.0], dtype=torch.float64)
+    got, want = run_both(form, q, k, v, beta, *past(37))
+    assert want[0].abs().sum() > 0
+    assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["sparsemax", "relumax"])
+def test_long_odd_rows_head_sizes_and_batches(form):
+    """T 130 (several key blocks, a ragged last one), head size 24 (padded to 32), B 2."""
+    q, k, v = inputs(2, 1, 130, 130, 24, seed=2)
+    got, want = run_both(form, q, k, v, torch.tensor([9.0], dtype=torch.float64), *past(130))
+    assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["sparsemax", "entmax43", "relumax", "fixed"])
+def test_bf16_inputs_accumulate_in_fp32(form):
+    q, k, v = inputs(1, 2, 33, 33, 16, seed=3)
+    got, want = run_both(form, q, k, v, torch.tensor([2.0, 8.0], dtype=torch.float64),
+                         *past(33), dtype=torch.bfloat16)
+    assert_close(got, want, rtol=2e-2, atol=2e-2)  # bf16 outputs and products
+
+
+@pytest.mark.parametrize("form", ["sparsemax", "entmax15", "fixed"])
+def test_sharp_bandwidth_e10(form):
+    """beta = e^10: supports of one or two entries, and (fixed) mostly empty rows."""
+    q, k, v = inputs(1, 1, 29, 29, 16, seed=4, spread=0.05)
+    beta = torch.tensor([math.exp(10.0)], dtype=torch.float64)
+    got, want = run_both(form, q, k, v, beta, *past(29))
+    # scores carry the fp32 rounding of the cosines times e^10
+    assert_close(got[:1] + got[3:4], want[:1] + want[3:4], rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("form", ["sparsemax", "entmax15", "fixed"])
+def test_ties_and_repeated_keys(form):
+    """Exactly repeated keys (tied scores) split their weight the same way as the reference."""
+    q, k, v = inputs(1, 1, 21, 21, 16, seed=5)
+    k = k[:, :, [0, 1, 2] * 7]
+    q = k.clone()
+    got, want = run_both(form, q, k, v, torch.tensor([5.0], dtype=torch.float64), *past(21))
+    assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["entmax15", "relumax", "fixed"])
+def test_intervals_per_batch_row_and_per_row_scales(form):
+    """Windows that differ across the batch, rows that see nothing (hi < lo, or past the end)
+    and one scale per query row (an adaptive bandwidth)."""
+    B, n, S = 2, 19, 23
+    q, k, v = inputs(B, 2, n, S, 16, seed=6)
+    i = torch.arange(n)
+    lo = torch.stack([i - 4, i - 9])
+    hi = torch.stack([i + 2, i - 1])
+    hi[0, 5] = lo[0, 5] - 1  # an empty row
+    lo[1, -2:] = S + 3  # rows that see nothing past the end
+    beta = torch.linspace(2.0, 12.0, n, dtype=torch.float64).view(1, 1, n)
+    got, want = run_both(form, q, k, v, beta, lo, hi)
+    assert got[0][0, :, 5].abs().max() == 0 and got[0][1, :, -2:].abs().max() == 0
+    assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_no_entry_anywhere_is_zero_with_zero_gradients():
+    q, k, v = inputs(1, 1, 5, 5, 16, seed=7)
+    lo, hi = past(5, offset=-6)  # nobody sees anything
+    got, _ = run_both("sparsemax", q, k, v, torch.tensor([3.0], dtype=torch.float64), lo, hi)
+    assert all(float(x.detach().abs().max()) == 0 for x in got)
+
+
+KERNELS = ["epanechnikov", "biweight", "triweight", "relumax", "epanechnikov_fixed"]
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_registry_kernels_take_the_fused_path(name, monkeypatch):
+    """Each kernel's training forward and backward equal its chunked path, and the fused path
+    is the one recorded."""
+    torch.manual_seed(0)
+    q, k, v = inputs(2, 2, 25, 25, 16, seed=8)
+    keys, values = q.float(), v.float()
+    beta = torch.tensor([3.0, 11.0])
+    kernel = get_kernel(name)
+    runs = []
+    for mode in ("0", "1"):
+        monkeypatch.setenv(tb.ENV_SWITCH, mode)
+        k_, v_, b_ = (x.clone().requires_grad_() for x in (keys, values, beta))
+        y = kernel(k_, v_, b_)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        runs.append((y.detach(), k_.grad, v_.grad, b_.grad, tb.PATHS[name]))
+    chunked, fused = runs
+    assert chunked[4].startswith("chunked") and fused[4] == "fused"
+    assert chunked[0][:, :, 1:].abs().sum() > 0
+    for a, b in zip(chunked[:4], fused[:4]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=2e-5)
+
+
+def test_attend_intervals_take_the_fused_path(monkeypatch):
+    """v2's retrieval over windows (attend) with one bandwidth per query."""
+    q, k, v = inputs(1, 2, 17, 17, 16, seed=9)
+    i = torch.arange(17).view(1, 17)
+    beta = torch.linspace(2.0, 9.0, 17).view(1, 1, 17).expand(1, 2, 17)
+    kernel = get_kernel("biweight")
+    outs = []
+    for mode in ("0", "1"):
+        monkeypatch.setenv(tb.ENV_SWITCH, mode)
+        outs.append(kernel.attend(q.float(), k.float(), v.float(), beta, i - 5, i - 1))
+    assert tb.PATHS["biweight"] == "fused"
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=2e-5)
+
+
+def test_switch_values(monkeypatch):
+    x = torch.zeros(1)
+    monkeypatch.setenv(tb.ENV_SWITCH, "0")
+    assert tb.fused_reason(x) == "MOSAICS_FUSED=0"
+    monkeypatch.delenv(tb.ENV_SWITCH)
+    assert "CPU tensors" in tb.fused_reason(x)
+    monkeypatch.setenv(tb.ENV_SWITCH, "1")
+    assert tb.fused_reason(x) is None
+    monkeypatch.setenv(tb.ENV_SWITCH, "yes")
+    with pytest.raises(ValueError, match="MOSAICS_FUSED"):
+        tb.fused_reason(x)
+
+
+def test_bad_arguments_are_named():
+    q, k, v = inputs(1, 1, 4, 4, 16, seed=10)
+    a = torch.ones(1, 4)
+    lo, hi = past(4)
+    with pytest.raises(ValueError, match="r >= 1"):
+        power_attention(q.float(), k.float(), v.float(), a, lo, hi, r=0.5, entmax=True)
+    with pytest.raises(ValueError, match="shape"):
+        power_attention(q.float(), k.float(), v.float(), a[:, :3], lo, hi, r=1.0, shift=-1.0)
+
