@@ -44,30 +44,41 @@ def inputs(B: int, H: int, n: int, S: int, D: int, seed: int, spread: float = 1.
     return q, k, v
 
 
-def run_both(form: str, q, k, v, beta: torch.Tensor, lo, hi, dtype=torch.float32):
-    """(fused output and grads, float64 reference output and grads) for one form."""
+def run_both(form: str, q, k, v, beta: torch.Tensor, lo, hi, dtype=torch.float32,
+             slopes: torch.Tensor | None = None, pos0: int = 0):
+    """(fused output and grads, float64 reference output and grads) for one form; the last
+    gradient is the one of ``a`` (or, with ``slopes``, of the ALiBi bias)."""
     r, anchor, shift, entmax, scale = FORMS[form]
     B, H, n, _ = q.shape
     beta = beta.view(1, H, 1) if beta.dim() == 1 else beta  # per head, or (1, 1, n) per row
     a64 = (scale * beta).expand(B, H, n).reshape(B * H, n).contiguous()
+    bias64 = None
+    if slopes is not None:
+        bias64 = (slopes.view(1, H, 1) / beta).expand(B, H, n).reshape(B * H, n).contiguous()
     rounded = [x.to(dtype).double() for x in (q, k, v)]  # the fused inputs, exactly
     fused_in = [x.to(dtype).requires_grad_() for x in (q, k, v)]
     a32 = a64.float().requires_grad_()
     ref_in = [x.clone().requires_grad_() for x in rounded]
     a_ref = a64.clone().requires_grad_()
-    kw = dict(r=r, anchor=anchor, shift=shift, entmax=entmax)
-    y = power_attention(*fused_in, a32, lo, hi, **kw)
-    y_ref = power_attention_reference(*ref_in, a_ref, lo, hi, **kw)
+    kw = dict(r=r, anchor=anchor, shift=shift, entmax=entmax, pos0=pos0)
+    b32 = b_ref = None
+    if bias64 is not None:
+        b32, b_ref = bias64.float().requires_grad_(), bias64.clone().requires_grad_()
+    y = power_attention(*fused_in, a32, lo, hi, bias=b32, **kw)
+    y_ref = power_attention_reference(*ref_in, a_ref, lo, hi, bias=b_ref, **kw)
     g = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     (y.double() * g).sum().backward()
     (y_ref * g).sum().backward()
     got = [y.double()] + [x.grad.double() for x in fused_in] + [a32.grad.double()]
     want = [y_ref] + [x.grad for x in ref_in] + [a_ref.grad]
+    if b32 is not None:
+        got.append(b32.grad.double())
+        want.append(b_ref.grad)
     return got, want
 
 
 def assert_close(got, want, rtol: float, atol: float) -> None:
-    for name, x, y in zip(("y", "dq", "dk", "dv", "da"), got, want):
+    for name, x, y in zip(("y", "dq", "dk", "dv", "da", "dbias"), got, want):
         scale = y.abs().max().item() + 1.0
         err = (x - y).abs().max().item()
         assert err <= atol * scale + rtol * y.abs().max().item(), (name, err, scale)
@@ -141,6 +152,18 @@ def test_intervals_per_batch_row_and_per_row_scales(form):
     assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("form", ["sparsemax", "entmax15", "relumax", "fixed"])
+def test_alibi_bias_and_its_gradient(form):
+    """Scores beta cos - m_h (t_i - j), t_i = i + pos0 (queries 1..T-1 of a sequence)."""
+    q, k, v = inputs(1, 2, 31, 31, 16, seed=11)
+    fixed = FORMS[form][1] is not None
+    beta = torch.tensor([1.5, 3.0] if fixed else [5.0, 10.0], dtype=torch.float64)
+    slopes = torch.tensor([0.25, 0.0625], dtype=torch.float64)
+    got, want = run_both(form, q, k, v, beta, *past(31, offset=0), slopes=slopes, pos0=1)
+    assert want[-1].abs().max() > 0
+    assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_no_entry_anywhere_is_zero_with_zero_gradients():
     q, k, v = inputs(1, 1, 5, 5, 16, seed=7)
     lo, hi = past(5, offset=-6)  # nobody sees anything
@@ -171,6 +194,29 @@ def test_registry_kernels_take_the_fused_path(name, monkeypatch):
     assert chunked[4].startswith("chunked") and fused[4] == "fused"
     assert chunked[0][:, :, 1:].abs().sum() > 0
     for a, b in zip(chunked[:4], fused[:4]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["biweight", "relumax"])
+def test_alibi_retrieval_takes_the_fused_path(name, monkeypatch):
+    """The model's ALiBi retrieval (``biased_retrieval``) equals its chunked path, gradients
+    of the bandwidth included."""
+    from mosaics.kernels.position_bias import alibi_slopes, biased_retrieval
+
+    q, k, v = inputs(1, 2, 23, 23, 16, seed=12)
+    kernel = get_kernel(name)
+    slopes = alibi_slopes(2).float()
+    runs = []
+    for mode in ("0", "1"):
+        monkeypatch.setenv(tb.ENV_SWITCH, mode)
+        q_, k_, b_ = q.float().requires_grad_(), k.float().requires_grad_(), torch.tensor(
+            [4.0, 9.0], requires_grad=True)
+        y = biased_retrieval(kernel, q_[:, :, 1:], k_[:, :, :-1], v.float()[:, :, :-1], b_,
+                             slopes, 0)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        runs.append((y.detach(), q_.grad, k_.grad, b_.grad, tb.PATHS[name]))
+    assert runs[0][4].startswith("chunked") and runs[1][4] == "fused"
+    for a, b in zip(runs[0][:4], runs[1][:4]):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=2e-5)
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .base import Kernel
-from .score_kernel import _ChunkedRetrieval
+from .score_kernel import ScoreKernel, _ChunkedRetrieval
 
 
 def alibi_slopes(n_head: int) -> Tensor:
@@ -62,13 +62,21 @@ def biased_retrieval(kernel: Kernel, queries: Tensor, keys: Tensor, values: Tens
         beta: (H,) bandwidths; slopes: (H,) ALiBi slopes m_h; offset: query i sees j <= i +
             offset (0: the strict past of a whole sequence given as queries 1..T-1).
     Returns:
-        (B, H, n, hv) in the values' dtype; a row that sees no entry is 0. The chunked
-        retrieval of the score kernels (``score_kernel._ChunkedRetrieval``) with the bias,
-        so O(n) is saved for backward.
+        (B, H, n, hv) in the values' dtype; a row that sees no entry is 0. The kernel's fused
+        path where it serves the call (``ScoreKernel.fused_retrieval``), else the chunked
+        retrieval of the score kernels (``score_kernel._ChunkedRetrieval``) with the bias;
+        either saves O(n) for backward.
     """
     H = queries.shape[1]
     if beta.shape != (H,) or slopes.shape != (H,):
         raise ValueError(f"beta and slopes must have shape (H,) = ({H},), got "
                          f"{tuple(beta.shape)} and {tuple(slopes.shape)}")
+    if isinstance(kernel, ScoreKernel):  # the kernel's fused path, where it has one
+        hi = (torch.arange(queries.shape[2], device=queries.device) + int(offset)).view(1, -1)
+        fused = kernel.fused_retrieval(queries, keys, values, beta.view(1, H, 1, 1),
+                                       torch.zeros_like(hi), hi, slopes=slopes.detach(),
+                                       pos0=int(offset) + 1)
+        if fused is not None:
+            return fused
     return _ChunkedRetrieval.apply(queries, keys, values, beta, kernel, int(offset),
                                    slopes.detach())

@@ -112,10 +112,12 @@ class ScoreKernel(Kernel):
         return y, state
 
     def fused_retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
-                        lo: Tensor, hi: Tensor) -> Tensor | None:
+                        lo: Tensor, hi: Tensor, slopes: Tensor | None = None,
+                        pos0: int = 0) -> Tensor | None:
         """The retrieval of :meth:`attend` (beta (B or 1, H, n or 1, 1)) through a fused Triton
         kernel (:mod:`mosaics.ops`), or None where this kernel has none or the fused path does
-        not serve the call (see :mod:`mosaics.ops.triton_backend`). Default: None."""
+        not serve the call (see :mod:`mosaics.ops.triton_backend`). ``slopes`` (H,): an ALiBi
+        bias beta cos - m_h (t_i - j) with query positions t_i = i + ``pos0``. Default: None."""
         return None
 
     def tiled(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
@@ -432,7 +434,8 @@ class PowerKernel(ScoreKernel):
         return None
 
     def fused_retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
-                        lo: Tensor, hi: Tensor) -> Tensor | None:
+                        lo: Tensor, hi: Tensor, slopes: Tensor | None = None,
+                        pos0: int = 0) -> Tensor | None:
         form = self.fused_form()
         reason = fused_reason(queries, keys, values)
         if reason is None:
@@ -447,9 +450,12 @@ class PowerKernel(ScoreKernel):
             return None
         B, H, n, _ = queries.shape
         a = (self.score_scale * beta).expand(B, H, n, 1).reshape(B * H, n)
+        bias = None  # beta cos - m (t - j) = beta (cos - (m / beta)(t - j))
+        if slopes is not None:
+            bias = (slopes.view(1, H, 1, 1) / beta).expand(B, H, n, 1).reshape(B * H, n)
         anchor, shift, entmax = form
         return power_attention(queries, keys, values, a, lo, hi, r=self.power, anchor=anchor,
-                               shift=shift, entmax=entmax)
+                               shift=shift, entmax=entmax, bias=bias, pos0=pos0)
 
     def retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                   offset: int) -> Tensor:

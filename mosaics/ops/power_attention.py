@@ -95,14 +95,16 @@ def _query_blocks(lo: Tensor, hi: Tensor, S: int, block_m: int, block_n: int) ->
 
 class _PowerAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, a: Tensor, lo: Tensor, hi: Tensor,
-                r: float, anchor: float | None, shift: float | None, entmax: bool) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, a: Tensor, bias: Tensor | None,
+                lo: Tensor, hi: Tensor, pos0: int, r: float, anchor: float | None,
+                shift: float | None, entmax: bool) -> Tensor:
         B, H, n, D = q.shape
         S, DV = k.shape[2], v.shape[-1]
         dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
         qf, kf, vf = (x.to(dt).reshape(B * H, x.shape[2], x.shape[3]).contiguous()
                       for x in (q, k, v))
         af = a.to(torch.float32).contiguous()
+        bf = af if bias is None else bias.to(torch.float32).contiguous()  # af: an unread stand-in
         lo_i, hi_i = _row_bounds(lo, hi, S)
         bm, bn, bd, bdv, warps = _blocks(q.device, D, DV)
         out = torch.zeros(B * H, n, DV, dtype=torch.float32, device=q.device)
@@ -111,25 +113,26 @@ class _PowerAttention(torch.autograd.Function):
         if n and S:
             mod = triton_module(KERNELS)
             mod._power_fwd[(_cdiv(n, bm), B * H)](
-                qf, kf, vf, af, lo_i, hi_i, out, stats[0], stats[1], stats[2], arg,
+                qf, kf, vf, af, bf, lo_i, hi_i, out, stats[0], stats[1], stats[2], arg,
                 qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0),
                 vf.stride(1), out.stride(0), out.stride(1),
                 lo_i.stride(0) if lo_i.shape[0] > 1 else 0,
                 H, n, S, D, DV, float(r), float(-1.0 if shift is None else shift),
-                float(0.0 if anchor is None else anchor), NEWTON_TOL,
+                float(0.0 if anchor is None else anchor), NEWTON_TOL, pos0,
                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bdv, ANCHOR_MAX=anchor is None,
                 SOLVE=entmax, R_KIND=_r_kind(r), N_ITER=NEWTON_STEPS, IEEE=_ieee(dt, q.device),
-                num_warps=warps)
-        ctx.config = (r, anchor, entmax, (bm, bn, bd, bdv, warps), dt, q.dtype, k.dtype, v.dtype,
-                      a.dtype)
-        ctx.save_for_backward(qf, kf, vf, af, lo_i, hi_i, out, stats, arg)
+                HAS_BIAS=bias is not None, num_warps=warps)
+        ctx.config = (r, anchor, entmax, pos0, bias is not None, (bm, bn, bd, bdv, warps), dt,
+                      q.dtype, k.dtype, v.dtype, a.dtype, None if bias is None else bias.dtype)
+        ctx.save_for_backward(qf, kf, vf, af, bf, lo_i, hi_i, out, stats, arg)
         return out.view(B, H, n, DV).to(v.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):  # noqa: ANN205
-        qf, kf, vf, af, lo_i, hi_i, y, stats, arg = ctx.saved_tensors
-        r, anchor, entmax, (bm, bn, bd, bdv, warps), dt, q_dt, k_dt, v_dt, a_dt = ctx.config
+        qf, kf, vf, af, bf, lo_i, hi_i, y, stats, arg = ctx.saved_tensors
+        (r, anchor, entmax, pos0, has_bias, (bm, bn, bd, bdv, warps), dt, q_dt, k_dt, v_dt, a_dt,
+         b_dt) = ctx.config
         B, H, n, DV = grad.shape
         BH, S, D = kf.shape
         m, shift, total = stats
@@ -142,38 +145,48 @@ class _PowerAttention(torch.autograd.Function):
         dq = torch.zeros(BH, n, bd, dtype=torch.float32, device=qf.device)
         dk = torch.zeros(BH, S, bd, dtype=torch.float32, device=qf.device)
         dv = torch.zeros(BH, S, bdv, dtype=torch.float32, device=qf.device)
-        rsum = torch.zeros_like(total)
+        rsum, rsumj = torch.zeros_like(total), torch.zeros_like(total)
         s_lo = lo_i.stride(0) if lo_i.shape[0] > 1 else 0
         if n and S:
             mod = triton_module(KERNELS)
             common = (qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0),
                       vf.stride(1), g.stride(0), g.stride(1), s_lo)
             consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": bd, "BLOCK_DV": bdv,
-                      "R_KIND": _r_kind(r), "IEEE": _ieee(dt, qf.device), "num_warps": warps}
+                      "R_KIND": _r_kind(r), "IEEE": _ieee(dt, qf.device), "HAS_BIAS": has_bias,
+                      "num_warps": warps}
             mod._power_bwd_dq[(_cdiv(n, bm), BH)](
-                qf, kf, vf, g, af, lo_i, hi_i, m, shift, kappa, c, dq, rsum, *common,
-                H, n, S, D, DV, float(r), SOLVE=entmax, **consts)
+                qf, kf, vf, g, af, bf, lo_i, hi_i, m, shift, kappa, c, dq, rsum, rsumj, *common,
+                H, n, S, D, DV, float(r), pos0, SOLVE=entmax, **consts)
             first, last = _query_blocks(lo_i, hi_i, S, bm, bn)
             mod._power_bwd_dkv[(_cdiv(S, bn), BH)](
-                qf, kf, vf, g, af, lo_i, hi_i, m, shift, kappa, c, inv, first, last, dk, dv,
+                qf, kf, vf, g, af, bf, lo_i, hi_i, m, shift, kappa, c, inv, first, last, dk, dv,
                 *common, first.stride(0) if first.shape[0] > 1 else 0,
-                H, n, S, D, DV, float(r), first.shape[1], **consts)
+                H, n, S, D, DV, float(r), first.shape[1], pos0, **consts)
         dq, dk, dv = dq[..., :D], dk[..., :D], dv[..., :DV]
         qd = qf.float()
-        da = (dq * qd).sum(-1) - m * rsum
+        # with x_ij = a_i (c'_ij - m_i), c' = c - bias_i (t_i - j): sum_j dx_ij c'_ij =
+        # q_i . dq~_i - bias_i sum_j dx_ij (t_i - j)
+        lag = (torch.arange(n, device=qf.device) + pos0) * rsum - rsumj  # sum_j dx_ij (t_i - j)
+        da = (dq * qd).sum(-1) - m * rsum - (bf * lag if has_bias else 0.0)
+        dbias = -af * lag if has_bias else None
         dq = dq * af.unsqueeze(-1)
-        if anchor is None and not entmax and S:  # m_i = max_j c_ij moves with c at its arg max
-            coef = (-af * rsum).unsqueeze(-1)
-            idx = arg.long().clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, D)
+        if anchor is None and not entmax and S:  # m_i = max_j c'_ij moves with c' at its arg max
+            coef = -af * rsum
+            idx = arg.long().clamp(0, S - 1)
+            if has_bias:
+                dbias = dbias - coef * (torch.arange(n, device=qf.device) + pos0 - idx)
+            coef, idx = coef.unsqueeze(-1), idx.unsqueeze(-1).expand(-1, -1, D)
             dq = dq + coef * kf.float().gather(1, idx)
             dk = dk.scatter_add(1, idx, coef * qd)
         return (dq.view(B, H, n, D).to(q_dt), dk.view(B, H, S, D).to(k_dt),
-                dv.view(B, H, S, DV).to(v_dt), da.to(a_dt), None, None, None, None, None, None)
+                dv.view(B, H, S, DV).to(v_dt), da.to(a_dt),
+                None if dbias is None else dbias.to(b_dt), None, None, None, None, None, None,
+                None)
 
 
 def power_attention(q: Tensor, k: Tensor, v: Tensor, a: Tensor, lo: Tensor, hi: Tensor, *,
                     r: float, anchor: float | None = None, shift: float | None = None,
-                    entmax: bool = False) -> Tensor:
+                    entmax: bool = False, bias: Tensor | None = None, pos0: int = 0) -> Tensor:
     """Fused power-kernel retrieval (see the module docstring).
 
     Args:
@@ -184,6 +197,8 @@ def power_attention(q: Tensor, k: Tensor, v: Tensor, a: Tensor, lo: Tensor, hi: 
         anchor: the constant m_i, or None for the row max.
         shift: the constant shift_i (ignored with ``entmax``).
         entmax: solve shift_i so that the row's weights sum to one.
+        bias: optional (B H, n) slope of a linear position bias on the cosines (ALiBi: slope
+            m_h / beta_h), c_ij - bias_i (t_i - j) with t_i = i + ``pos0`` (differentiable).
     Returns:
         (B, H, n, DV) in the values' dtype.
     """
@@ -194,12 +209,16 @@ def power_attention(q: Tensor, k: Tensor, v: Tensor, a: Tensor, lo: Tensor, hi: 
     B, H, n, _ = q.shape
     if a.shape != (B * H, n):
         raise ValueError(f"a must have shape (B H, n) = ({B * H}, {n}), got {tuple(a.shape)}")
-    return _PowerAttention.apply(q, k, v, a, lo, hi, float(r), anchor, shift, entmax)
+    if bias is not None and bias.shape != a.shape:
+        raise ValueError(f"bias must have a's shape {tuple(a.shape)}, got {tuple(bias.shape)}")
+    return _PowerAttention.apply(q, k, v, a, bias, lo, hi, int(pos0), float(r), anchor, shift,
+                                 entmax)
 
 
 def power_attention_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, lo: Tensor,
                               hi: Tensor, *, r: float, anchor: float | None = None,
-                              shift: float | None = None, entmax: bool = False) -> Tensor:
+                              shift: float | None = None, entmax: bool = False,
+                              bias: Tensor | None = None, pos0: int = 0) -> Tensor:
     """The same map as :func:`power_attention`, densely in PyTorch (autograd throughout; the
     entmax threshold by bisection, then one exact renormalization). Computes in the inputs'
     dtype promoted to at least fp32."""
@@ -208,6 +227,9 @@ def power_attention_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, lo: Te
     dt = torch.promote_types(q.dtype, torch.float32)
     c = q.to(dt) @ k.to(dt).transpose(-1, -2)  # (B, H, n, S)
     j = torch.arange(S, device=q.device)
+    if bias is not None:
+        lag = (torch.arange(n, device=q.device) + pos0).view(n, 1) - j  # t_i - j
+        c = c - bias.to(dt).view(B, H, n, 1) * lag
     vis = ((j >= lo.unsqueeze(-1)) & (j <= hi.unsqueeze(-1))).unsqueeze(1)  # (B or 1, 1, n, S)
     scale = a.to(dt).view(B, H, n, 1)
     if anchor is None:

@@ -1,6 +1,7 @@
 """Triton kernels of the power-kernel retrieval (see :mod:`mosaics.ops.power_attention`).
 
-Per query row i (scores c_ij = q_i . k_j over its visible entries lo_i <= j <= hi_i):
+Per query row i (cosines c_ij = q_i . k_j over its visible entries lo_i <= j <= hi_i, less
+bias_i (t_i - j) with HAS_BIAS, t_i = i + pos0):
 
     x_ij = a_i (c_ij - m_i),  u_ij = [x_ij - shift_i]_+,  p_ij = u_ij^r,  N_i = sum_j p_ij,
     y_i  = sum_j p_ij v_j / N_i   (0 when N_i = 0),
@@ -62,12 +63,21 @@ def _scores(q, k_ptrs, j, d_ok, S, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _power_fwd(Q, K, V, A, LO, HI, OUT, M, SHIFT, NSUM, ARG,
+def _biased(c, bias, t, j, HAS_BIAS: tl.constexpr):
+    """c - bias_i (t_i - j): a linear position bias (ALiBi) on the cosines."""
+    if HAS_BIAS:
+        return c - bias[:, None] * (t[:, None] - j[None, :]).to(tl.float32)
+    return c
+
+
+@triton.jit
+def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG,
                sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, so_bh, so_n, s_lo_b,
-               H, n, S, D, DV, r, shift_const, anchor_const, tol,
+               H, n, S, D, DV, r, shift_const, anchor_const, tol, pos0,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, ANCHOR_MAX: tl.constexpr, SOLVE: tl.constexpr,
-               R_KIND: tl.constexpr, N_ITER: tl.constexpr, IEEE: tl.constexpr):
+               R_KIND: tl.constexpr, N_ITER: tl.constexpr, IEEE: tl.constexpr,
+               HAS_BIAS: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     batch = bh // H
@@ -86,6 +96,8 @@ def _power_fwd(Q, K, V, A, LO, HI, OUT, M, SHIFT, NSUM, ARG,
     lo = tl.maximum(lo, 0)
     hi = tl.minimum(hi, S - 1)
     a = tl.load(A + bh * n + rows, mask=row_ok, other=0.0)
+    bias = tl.load(BIAS + bh * n + rows, mask=row_ok & HAS_BIAS, other=0.0)
+    t = rows + pos0
     start = (tl.min(tl.where(row_ok & (hi >= lo), lo, S), axis=0) // BLOCK_N) * BLOCK_N
     end = tl.max(tl.where(row_ok, hi, -1), axis=0) + 1
     k_base = K + bh * sk_bh + dd[None, :]
@@ -97,7 +109,8 @@ def _power_fwd(Q, K, V, A, LO, HI, OUT, M, SHIFT, NSUM, ARG,
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         for j0 in range(start, end, BLOCK_N):
             j = j0 + cols
-            c = _scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE)
+            c = _biased(_scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE), bias, t, j,
+                        HAS_BIAS)
             vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
             c = tl.where(vis, c, float("-inf"))
             bm = tl.max(c, axis=1)
@@ -118,7 +131,8 @@ def _power_fwd(Q, K, V, A, LO, HI, OUT, M, SHIFT, NSUM, ARG,
             s = tl.zeros((BLOCK_M,), tl.float32)
             for j0 in range(start, end, BLOCK_N):
                 j = j0 + cols
-                c = _scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE)
+                c = _biased(_scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE), bias, t, j,
+                        HAS_BIAS)
                 vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
                 d = tl.where(vis, tl.maximum(a[:, None] * (c - m[:, None]) - tau[:, None],
                                              0.0), 0.0)
@@ -138,7 +152,8 @@ def _power_fwd(Q, K, V, A, LO, HI, OUT, M, SHIFT, NSUM, ARG,
     v_base = V + bh * sv_bh + dv[None, :]
     for j0 in range(start, end, BLOCK_N):
         j = j0 + cols
-        c = _scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE)
+        c = _biased(_scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE), bias, t, j,
+                    HAS_BIAS)
         vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
         u = tl.where(vis, tl.maximum(a[:, None] * (c - m[:, None]) - shift[:, None], 0.0), 0.0)
         p = _power(u, R_KIND, r)
@@ -156,12 +171,12 @@ def _power_fwd(Q, K, V, A, LO, HI, OUT, M, SHIFT, NSUM, ARG,
 
 
 @triton.jit
-def _power_bwd_dq(Q, K, V, G, A, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM,
+def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSUMJ,
                   sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, sg_bh, sg_n, s_lo_b,
-                  H, n, S, D, DV, r,
+                  H, n, S, D, DV, r, pos0,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, SOLVE: tl.constexpr, R_KIND: tl.constexpr,
-                  IEEE: tl.constexpr):
+                  IEEE: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     batch = bh // H
@@ -184,6 +199,8 @@ def _power_bwd_dq(Q, K, V, G, A, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM,
     m = tl.load(M + stat, mask=row_ok, other=0.0)
     shift = tl.load(SHIFT + stat, mask=row_ok, other=0.0)
     kappa = tl.load(KAPPA + stat, mask=row_ok, other=0.0)
+    bias = tl.load(BIAS + stat, mask=row_ok & HAS_BIAS, other=0.0)
+    t = rows + pos0
     start = (tl.min(tl.where(row_ok & (hi >= lo), lo, S), axis=0) // BLOCK_N) * BLOCK_N
     end = tl.max(tl.where(row_ok, hi, -1), axis=0) + 1
     k_base = K + bh * sk_bh + dd[None, :]
@@ -194,7 +211,8 @@ def _power_bwd_dq(Q, K, V, G, A, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM,
         den = tl.zeros((BLOCK_M,), tl.float32)
         for j0 in range(start, end, BLOCK_N):
             j = j0 + cols
-            cs = _scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE)
+            cs = _biased(_scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE), bias, t,
+                         j, HAS_BIAS)
             vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
             u = tl.where(vis, tl.maximum(a[:, None] * (cs - m[:, None]) - shift[:, None], 0.0),
                          0.0)
@@ -211,10 +229,11 @@ def _power_bwd_dq(Q, K, V, G, A, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM,
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     rsum = tl.zeros((BLOCK_M,), tl.float32)
+    rsumj = tl.zeros((BLOCK_M,), tl.float32)
     for j0 in range(start, end, BLOCK_N):
         j = j0 + cols
         k = tl.load(k_base + j[:, None] * sk_n, mask=(j[:, None] < S) & d_ok[None, :], other=0.0)
-        cs = _dot(q, tl.trans(k), IEEE)
+        cs = _biased(_dot(q, tl.trans(k), IEEE), bias, t, j, HAS_BIAS)
         vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
         u = tl.where(vis, tl.maximum(a[:, None] * (cs - m[:, None]) - shift[:, None], 0.0), 0.0)
         h = _power_m1(u, R_KIND, r)
@@ -223,18 +242,23 @@ def _power_bwd_dq(Q, K, V, G, A, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM,
         dp = _dot(g, tl.trans(v), IEEE)
         dx = kappa[:, None] * h * (dp - cc[:, None])
         rsum += tl.sum(dx, axis=1)
+        if HAS_BIAS:
+            rsumj += tl.sum(dx * j[None, :].to(tl.float32), axis=1)
         dq += _dot(dx.to(k.dtype), k, IEEE)
     tl.store(DQ + bh * n * BLOCK_D + rows[:, None] * BLOCK_D + dd[None, :], dq,
              mask=row_ok[:, None] & d_ok[None, :])
     tl.store(RSUM + stat, rsum, mask=row_ok)
+    if HAS_BIAS:
+        tl.store(RSUMJ + stat, rsumj, mask=row_ok)
 
 
 @triton.jit
-def _power_bwd_dkv(Q, K, V, G, A, LO, HI, M, SHIFT, KAPPA, C, INV, QB_FIRST, QB_LAST, DK, DV_OUT,
-                   sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, sg_bh, sg_n, s_lo_b, s_qb_b,
-                   H, n, S, D, DV, r, n_kb,
+def _power_bwd_dkv(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, INV, QB_FIRST, QB_LAST, DK,
+                   DV_OUT, sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, sg_bh, sg_n, s_lo_b, s_qb_b,
+                   H, n, S, D, DV, r, n_kb, pos0,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_DV: tl.constexpr, R_KIND: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_DV: tl.constexpr, R_KIND: tl.constexpr, IEEE: tl.constexpr,
+                   HAS_BIAS: tl.constexpr):
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     batch = bh // H
@@ -268,7 +292,8 @@ def _power_bwd_dkv(Q, K, V, G, A, LO, HI, M, SHIFT, KAPPA, C, INV, QB_FIRST, QB_
         kappa = tl.load(KAPPA + stat, mask=row_ok, other=0.0)
         cc = tl.load(C + stat, mask=row_ok, other=0.0)
         inv = tl.load(INV + stat, mask=row_ok, other=0.0)
-        cs = _dot(q, tl.trans(k), IEEE)
+        bias = tl.load(BIAS + stat, mask=row_ok & HAS_BIAS, other=0.0)
+        cs = _biased(_dot(q, tl.trans(k), IEEE), bias, rows + pos0, j, HAS_BIAS)
         vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None]) & j_ok[None, :]
         u = tl.where(vis, tl.maximum(a[:, None] * (cs - m[:, None]) - shift[:, None], 0.0), 0.0)
         p = _power(u, R_KIND, r) * inv[:, None]
