@@ -225,7 +225,11 @@ RAW_COMMANDS: dict[str, Callable[[list[str]], int]] = {
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if args and args[0] in RAW_COMMANDS:  # these parse their own arguments
-        return RAW_COMMANDS[args[0]](args[1:])
+        try:
+            return RAW_COMMANDS[args[0]](args[1:])
+        except InputError as err:  # a bad file or setting that the command did not catch
+            print(f"mosaics {args[0]}: error: {err}", file=sys.stderr)
+            return 2
     parser = build_parser()
     ns = parser.parse_args(args)
     if getattr(ns, "handler", None) is None:

@@ -72,23 +72,50 @@ def load_reference_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise InputError(f"Checkpoint not found: {path}; pass the reference run's ckpt.pt.")
+    not_a_checkpoint = (f"{path} is not a PyTorch checkpoint (torch.save's zip or pickle "
+                        "format); pass the reference run's ckpt.pt.")
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(4)
+    except OSError as err:
+        raise InputError(f"Cannot read {path}: {err.strerror or err}.") from None
+    if head[:2] != b"PK" and not head.startswith(b"\x80"):  # a zip archive, or a raw pickle
+        raise InputError(not_a_checkpoint)
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        text = str(err).strip()
+        if "Unsupported global" not in text and "Unsupported operand" not in text:
+            raise InputError(not_a_checkpoint[:-1] + f" (unreadable: {_first_line(err)}).") \
+                from None
         raise InputError(
             f"{path} holds Python objects other than tensors, plain values and "
-            f"argparse.Namespace ({first}); refusing to unpickle it. Re-save only its "
-            "'model' state dict and 'model_args' dict with torch.save.") from None
-    except (RuntimeError, EOFError, OSError) as err:
-        raise InputError(f"Cannot read {path} as a PyTorch checkpoint: {err}") from None
+            f"argparse.Namespace ({_unsupported(text)}); refusing to unpickle it. Re-save only "
+            "its 'model' state dict and 'model_args' dict with torch.save.") from None
+    except Exception as err:  # noqa: BLE001 (a damaged file fails anywhere in the unpickler)
+        raise InputError(f"Cannot read {path} as a PyTorch checkpoint (truncated or damaged? "
+                         f"{type(err).__name__}: {_first_line(err)}); pass the reference "
+                         "run's ckpt.pt.") from None
     if not isinstance(ckpt, Mapping) or "model" not in ckpt or "model_args" not in ckpt:
         keys = sorted(ckpt) if isinstance(ckpt, Mapping) else type(ckpt).__name__
         raise ReferenceFormatError(
             f"{path} is not a reference training checkpoint: expected a dict with 'model' and "
             f"'model_args' (as train_memory_mosaics.py / nanoMosaics train.py write), got {keys}.")
     return dict(ckpt)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _unsupported(text: str) -> str:
+    """The offending global of torch's weights-only error (its first lines are advice)."""
+    for line in text.splitlines():
+        if "Unsupported global" in line or "Unsupported operand" in line:
+            return line.strip().removeprefix("WeightsUnpickler error: ")
+    return text.splitlines()[0]
 
 
 def strip_compile_prefix(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:

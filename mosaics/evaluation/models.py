@@ -51,32 +51,61 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     """Load a saved model directory (Memory Mosaics or a baseline) offline, in eval mode;
     ``config_changes`` replace fields of its saved config first (a test-time ablation such as
     ``{"alibi": False}``: the same weights, another model)."""
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import mosaics  # noqa: F401  (registers the Auto classes)
+    from mosaics.errors import InputError
 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a model directory (no config.json); pass the "
                                 "folder written by save_pretrained")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except (ValueError, KeyError, OSError) as err:
+        raise InputError(f"{path / 'config.json'} is not the config of a model this install "
+                         f"knows ({_first_line(err)}); pass a directory written by "
+                         "save_pretrained for a Memory Mosaics, GPT-2 or Llama model.") from None
     check_config_changes(path, config_changes or {})
     for key, value in (config_changes or {}).items():
         setattr(config, key, value)
-    return AutoModelForCausalLM.from_pretrained(path, config=config,
-                                                local_files_only=True).to(device).eval()
+    if not any((path / name).is_file() for name in WEIGHT_FILES):
+        raise InputError(f"{path} holds a config but no weights (none of "
+                         f"{', '.join(WEIGHT_FILES)}); copy the whole directory that "
+                         "save_pretrained wrote.")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True,
+                                                     trust_remote_code=False)
+    except (SafetensorError, OSError, ValueError, RuntimeError, KeyError) as err:
+        # a truncated or damaged weights file, or weights of another shape
+        raise InputError(f"cannot load the weights of {path} ({type(err).__name__}: "
+                         f"{_first_line(err)}); the file is truncated or damaged, or was "
+                         "written for another model: copy or export it again.") from None
+    return model.to(device).eval()
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def check_config_changes(path: str | Path, changes: dict[str, Any]) -> None:
     """Refuse config changes that name no field of the saved model's config.json."""
     import json
 
+    from mosaics.errors import InputError
+
     if not changes:
         return
     saved = json.loads((Path(path) / "config.json").read_text())
     for key in changes:
         if key not in saved:
-            raise ValueError(f"{path}: its config has no field {key!r}, so it cannot be changed "
+            raise InputError(f"{path}: its config has no field {key!r}, so it cannot be changed "
                              f"at load time; its fields: {', '.join(sorted(saved))}")
 
 

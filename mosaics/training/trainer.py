@@ -250,6 +250,16 @@ def reseed(seed: int, step: int, rank: int) -> None:
     random.seed(value)
 
 
+def speed_postfix(values: dict[str, float]) -> dict[str, str]:
+    """The progress line's tokens/s and MFU (in %), where the log row has them."""
+    out = {}
+    if "tokens_per_s" in values:
+        out["tok/s"] = f"{values['tokens_per_s']:,.0f}"
+    if "mfu" in values:
+        out["mfu"] = f"{100 * values['mfu']:.1f}%"
+    return out
+
+
 def shard_rows(batch: Batch, rank: int, world: int) -> Batch:
     """Rows ``rank, rank + world, ...`` of every tensor in ``batch``."""
     return {k: v[rank::world] for k, v in batch.items()}
@@ -300,6 +310,9 @@ class Trainer:
         self.seconds_before = 0.0  # wall time of the earlier attempts of a resumed run
         self.resumed_step: int | None = None
         self._fit_started: float | None = None
+        self.train_forward: Any = None  # the model, or its torch.compile'd call (``compile``)
+        self.flops_per_token: float | None = None  # model FLOPs per training token
+        self.peak_flops: float | None = None  # one process's peak FLOP/s, for the MFU
 
     @property
     def checkpointing(self) -> bool:
@@ -361,8 +374,52 @@ class Trainer:
                 resume_from, self.model, self.scheduler, acc.process_index, acc.num_processes,
                 universal))
         self.model.train()
+        self.train_forward = self._compiled_forward() if self.compiles else self.model
+        self._hardware_figures()
         if self.run_dir is not None:
             self.metrics = MetricsLog(self.run_dir, self.is_main, self.step, acc, cfg)
+
+    @property
+    def compiles(self) -> bool:
+        """``compile`` resolved: null is on with CUDA (not under DeepSpeed ZeRO-3)."""
+        if self.cfg.compile is not None:
+            return self.cfg.compile
+        return self.accelerator.device.type == "cuda" and self._zero_stage() != 3
+
+    def _zero_stage(self) -> int | None:
+        plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed else None
+        return None if plugin is None else int(plugin.zero_stage)
+
+    def _compiled_forward(self) -> Any:
+        """The training forward under ``torch.compile``; the module itself stays as it was, so
+        evaluation, export and sampling run eagerly. Under DeepSpeed ZeRO-1/2 the engine's
+        module is compiled (the engine's forward adds nothing to it there)."""
+        from ..compilation import compile_backend
+
+        if self._zero_stage() == 3:
+            raise ConfigError("compile=true does not work with DeepSpeed ZeRO-3 (its parameter "
+                              "gathering hooks run inside the forward); set compile=false or "
+                              "use ZeRO-2.")
+        if self.is_main:
+            print(f"{self.name}: compiling the training step with torch.compile (backend "
+                  f"{compile_backend()}); the first step takes longer", file=sys.stderr)
+        target = self.model.module if self.is_deepspeed else self.model
+        return torch.compile(target, backend=compile_backend())
+
+    def _hardware_figures(self) -> None:
+        """FLOPs per token of the model at this run's sequence length, and the peak FLOP/s
+        of one process's device (:mod:`mosaics.training.flops`)."""
+        from .flops import device_peak, flops_per_token
+
+        config = getattr(self.unwrapped_model, "config", None)
+        if config is None or not hasattr(config, "n_embd"):
+            return
+        length = int(self.batches.batch(0)["input_ids"].shape[1])
+        try:
+            self.flops_per_token = flops_per_token(config, length)
+        except (AttributeError, TypeError):  # a model config without the fields counted
+            return
+        self.peak_flops = device_peak(self.accelerator.device, self.accelerator.mixed_precision)[0]
 
     def _choose_checkpoint(self) -> Path | None:
         """The newest intact checkpoint (main decides, every process gets the same answer)."""
@@ -482,12 +539,14 @@ class Trainer:
         sums = torch.zeros(3, dtype=torch.float64)  # loss, lm_loss, aux_loss
         tokens, grad_norm, bad, value = 0, None, False, math.nan
         first = (self.step + self.data_offset) * self.accumulation
+        skipped_before = getattr(self.model, "skipped_steps", 0) if self.is_deepspeed else 0
         for index in range(first, first + self.accumulation):
             batch = self.batches.batch(index)
             ids = batch["input_ids"].to(acc.device)
             labels = batch["labels"].to(acc.device)
             with acc.accumulate(self.model):
-                out = self.model(input_ids=ids, labels=labels, use_cache=False)
+                forward = self.model if self.train_forward is None else self.train_forward
+                out = forward(input_ids=ids, labels=labels, use_cache=False)
                 loss = out.loss
                 acc.backward(loss)
                 value = loss.item()
@@ -501,11 +560,7 @@ class Trainer:
                     bad, stop = self._agree(bad, self.signals.requested())
                     self.stop_requested = self.stop_requested or stop
                     if bad and self.is_deepspeed:  # its engine stepped inside backward
-                        raise TrainingDiverged(
-                            f"non-finite training loss or gradient norm at step "
-                            f"{self.step + 1} under DeepSpeed (which cannot skip a step): "
-                            f"lower lr (now {cfg.lr}), raise warmup_steps, or keep "
-                            "grad_clip > 0.")
+                        self._check_deepspeed_skipped(skipped_before)
                     if not bad:
                         self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
@@ -528,6 +583,21 @@ class Trainer:
         if grad_norm is not None:
             row["grad_norm"] = float(grad_norm)
         return row
+
+    def _check_deepspeed_skipped(self, skipped_before: int) -> None:
+        """A non-finite step under DeepSpeed: its engine stepped inside ``backward``, and
+        skipped the update itself when it found the gradients non-finite (its overflow check:
+        fp32, fp16, bf16 with ``check_grad_overflow``). Stop when it applied the step."""
+        engine = self.model
+        applied = getattr(engine, "_step_applied", None)
+        if applied is None:  # an older DeepSpeed: its skipped-steps counter moved or not
+            applied = getattr(engine, "skipped_steps", skipped_before) == skipped_before
+        if applied:
+            raise TrainingDiverged(
+                f"non-finite training loss at step {self.step + 1} under DeepSpeed, whose "
+                "engine applied the step (its gradients were finite, or its overflow check is "
+                "off: bf16.check_grad_overflow=false); lower lr (now "
+                f"{self.cfg.lr}), raise warmup_steps, or keep grad_clip > 0.")
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -590,7 +660,8 @@ class Trainer:
                 if window and (self.step % cfg.log_interval == 0 or last or self.stop_requested):
                     values = self._window_metrics(window, time.time() - window_start)
                     train_loss = values["train/lm_loss"]
-                    bar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{values['lr']:.2e}")
+                    bar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{values['lr']:.2e}",
+                                    **speed_postfix(values))
                     window, window_start = [], time.time()
                 if (cfg.eval_interval and self.step % cfg.eval_interval == 0) or last:
                     val_loss = self.evaluate() if self.val_batches else None
@@ -695,6 +766,11 @@ class Trainer:
         values = {k: float(sums[i]) / (len(rows) * world) for i, k in enumerate(keys)}
         values["lr"] = rows[-1]["lr"]
         values["tokens_per_s"] = float(sums[-1]) / max(seconds, 1e-9)
+        if self.flops_per_token is not None:
+            values["flops_per_token"] = self.flops_per_token
+            if self.peak_flops:
+                values["mfu"] = (values["tokens_per_s"] * self.flops_per_token
+                                 / (self.peak_flops * world))
         if "grad_norm" in rows[-1]:
             values["grad_norm"] = rows[-1]["grad_norm"]
         return values
@@ -803,7 +879,7 @@ class Trainer:
         releases the GIL. (A DeepSpeed engine holds no reducer; ZeRO-3's parameter hooks keep
         it alive until exit, which is harmless.)"""
         wrapped = weakref.ref(self.model) if self.model is not None else None
-        self.model = self.optimizer = self.scheduler = None
+        self.model = self.optimizer = self.scheduler = self.train_forward = None
         self.accelerator.free_memory()
         gc.collect()
         survivor = wrapped() if wrapped is not None else None
