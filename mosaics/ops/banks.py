@@ -164,7 +164,8 @@ def bank_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> T
     if not torch.is_grad_enabled() and dropout_p == 0.0 and q.shape[1] <= SMALL_ROWS:
         return torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)), dim=-1), v)
     training_cpu = (q.device.type == "cpu" and dropout_p == 0.0 and torch.is_grad_enabled()
-                    and (q.requires_grad or k.requires_grad or v.requires_grad))
+                    and (q.requires_grad or k.requires_grad or v.requires_grad)
+                    and not torch.compiler.is_compiling())  # compiled: the fused call
     if not training_cpu:
         return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=1.0,
                                               dropout_p=dropout_p)[0]

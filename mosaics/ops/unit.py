@@ -109,6 +109,10 @@ def lookahead_values(v: Tensor, mix: Tensor, previous: Tensor | None = None,
     and v~_0..v~_{n-2} finish, for the entries -1..n-2.
     """
     if previous is None:
+        if torch.compiler.is_compiling():  # plain ops: the compiler fuses them, derives the grad
+            w = mix.view(1, -1, 1, 1).to(v.dtype)
+            following = torch.cat([v[:, :, 1:], torch.zeros_like(v[:, :, :1])], dim=2)
+            return unit_vectors_reference(torch.lerp(following, v, w), eps)
         return _LookaheadValues.apply(v, mix, eps)
     w = mix if mix.dim() == 4 else mix.view(1, -1, 1, 1)
     w = w if w.dtype == v.dtype else w.to(v.dtype)

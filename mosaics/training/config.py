@@ -61,6 +61,9 @@ class TrainConfig:
     kernel_kwargs: dict[str, Any] = field(default_factory=dict)
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     gradient_checkpointing: bool = False
+    # torch.compile the training forward and backward (as nanoGPT's compile=true); null: on
+    # with CUDA, off on CPU (where the first step's compile costs more than it saves)
+    compile: bool | None = None
 
     # optimisation
     max_steps: int = 150
