@@ -34,6 +34,9 @@ KERNEL_FILE = Path(__file__).resolve().parent / "triton_kernels" / "linear_atten
 CHUNK = 64  # rows per chunk of the fused kernels
 MAX_VALUE_DIM = 256  # a chunk's (C, D) output block stays in registers
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# the per-chunk kernels hold several (C, C) and (C, D) fp32 blocks: 8 warps keep them in
+# registers, 2 stages keep the pipelined (C, BK) tiles within shared memory
+LAUNCH = {"num_warps": 8, "num_stages": 2}
 
 
 def _block(n: int, cap: int) -> int:
@@ -85,7 +88,7 @@ def _chunk_states(mod: ModuleType, a: Tensor, b: Tensor, w: Tensor | None, rever
     nc = -(-T // chunk)
     S = a.new_empty(BH, nc, F, D, dtype=torch.float32)
     z = a.new_empty(BH, nc, F, dtype=torch.float32)
-    BK, BD = _block(F, 64), _block(D, 64)
+    BK, BD = _block(F, 32), _block(D, 32)  # small blocks: more programs walk the chunks
     grid = (-(-F // BK), -(-D // BD), BH)
     mod.chunk_states[grid](a, b, S if w is None else w, S, z, T, F, D, nc, HAS_W=w is not None,
                            REVERSE=reverse, C=chunk, BK=BK, BD=BD, **dots)
@@ -109,7 +112,8 @@ class _LinearAttention(torch.autograd.Function):
         den = q.new_empty(B * H, T, dtype=torch.float32)
         nc = P.shape[1]
         mod.chunk_forward[(nc, B * H)](q3, k3, v3, P, z, y, den, T, F, D, nc, eps, C=chunk,
-                                       BK=_block(F, 64), BD=_block(D, MAX_VALUE_DIM), **dots)
+                                       BK=_block(F, 64), BD=_block(D, MAX_VALUE_DIM), **dots,
+                                       **LAUNCH)
         ctx.save_for_backward(q, k, v, y, den)
         ctx.chunk, ctx.dots = chunk, dots
         return y.view(B, H, T, D)
@@ -126,10 +130,11 @@ class _LinearAttention(torch.autograd.Function):
         kk = q if k is None else k
         q3, k3, v3 = q.view(BH, T, F), kk.view(BH, T, F), v.view(BH, T, D)
         dy = dy.reshape(BH, T, D).contiguous()
-        dn = torch.empty(BH, T, D, device=q.device, dtype=torch.float32)
+        dn = torch.empty_like(v3)
         dd = torch.empty(BH, T, device=q.device, dtype=torch.float32)
         BT, BDo = 64, _block(D, MAX_VALUE_DIM)
-        mod.output_grad[(-(-T // BT), BH)](dy, y, den, dn, dd, T, D, BT=BT, BD=BDo)
+        mod.output_grad[(-(-T // BT), BH)](dy, y, den, dn, dd, T, D, BT=BT, BD=BDo,
+                                           DT=dots["DT"])
         P, z = _chunk_states(mod, k3, v3, None, False, chunk, dots)
         R, r = _chunk_states(mod, q3, dn, dd, True, chunk, dots)
         dq = torch.empty_like(q3)
@@ -137,8 +142,8 @@ class _LinearAttention(torch.autograd.Function):
         dv = torch.empty_like(v3)
         nc = P.shape[1]
         mod.chunk_backward[(nc, BH)](q3, k3, v3, dn, dd, P, z, R, r, dq, dk, dv, T, F, D, nc,
-                                     SHARED=k is None, C=chunk, BK=_block(F, 64), BD=BDo,
-                                     **dots)
+                                     SHARED=k is None, C=chunk, BK=_block(F, 32), BD=BDo,
+                                     **dots, **LAUNCH)
         return (dq.view(q.shape), None if k is None else dk.view(k.shape), dv.view(v.shape),
                 None, None)
 

@@ -116,11 +116,13 @@ def chunk_forward(q_ptr, k_ptr, v_ptr, s_ptr, z_ptr, y_ptr, den_ptr, T, F, D, NC
         A += tl.dot(qo, tl.trans(_op(k, DT, DOT)), input_precision=PREC)
         o += tl.dot(qo, _op(P, DT, DOT), input_precision=PREC)
         den += _sum(q.to(tl.float32) * z[None, :], axis=1)
-    A = tl.where(r[:, None] > r[None, :], A, 0.0)
+    # A rounded to DT once, for the numerator and the denominator alike (a row whose past
+    # is one key then returns that key's value exactly, in any dtype)
+    A = _op(tl.where(r[:, None] > r[None, :], A, 0.0), DT, DOT)
     v = tl.load(v_ptr + bh * T * D + t[:, None] * D + d[None, :],
                 mask=tm[:, None] & dm[None, :], other=0.0)
-    o += tl.dot(_op(A, DT, DOT), _op(v, DT, DOT), input_precision=PREC)
-    den += _sum(A, axis=1) + eps
+    o += tl.dot(A, _op(v, DT, DOT), input_precision=PREC)
+    den += _sum(A.to(tl.float32), axis=1) + eps
     y = tl.where(den[:, None] > 0, o / tl.where(den > 0, den, 1.0)[:, None], 0.0)
     tl.store(y_ptr + bh * T * D + t[:, None] * D + d[None, :], y.to(y_ptr.dtype.element_ty),
              mask=tm[:, None] & dm[None, :])
@@ -129,9 +131,10 @@ def chunk_forward(q_ptr, k_ptr, v_ptr, s_ptr, z_ptr, y_ptr, den_ptr, T, F, D, NC
 
 @triton.jit
 def output_grad(dy_ptr, y_ptr, den_ptr, dn_ptr, dd_ptr, T, D,
-                BT: tl.constexpr, BD: tl.constexpr):
-    """dn = dy / den' (BH, T, D) and dd = -(dy . y) / den' (BH, T), fp32, 0 where den' = 0 and
-    on row 0: grid (T / BT, BH); BD >= D."""
+                BT: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr):
+    """dn = dy / den' (BH, T, D) in the inputs' dtype DT and dd = -(dn . y) (BH, T) fp32 from
+    that rounded dn (so that dn . v_s + dd = dn . (v_s - y) cancels where v_s = y), 0 where
+    den' = 0 and on row 0: grid (T / BT, BH); BD >= D."""
     pt = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     t = pt * BT + tl.arange(0, BT)
@@ -145,7 +148,7 @@ def output_grad(dy_ptr, y_ptr, den_ptr, dn_ptr, dd_ptr, T, D,
     # row 0 has no past: y_0 = 0 whatever the inputs, and 1 / eps must not reach an fp16 dn
     live = (den > 0) & (t > 0)
     inv = tl.where(live, 1.0 / tl.where(live, den, 1.0), 0.0)
-    dn = dy * inv[:, None]
+    dn = (dy * inv[:, None]).to(DT).to(tl.float32)
     tl.store(dn_ptr + offs, dn, mask=m)
     tl.store(dd_ptr + bh * T + t, -_sum(dn * y, axis=1), mask=tm)
 
