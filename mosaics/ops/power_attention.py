@@ -66,7 +66,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _row_bounds(lo: Tensor, hi: Tensor, S: int) -> tuple[Tensor, Tensor]:
-    """(B or 1, n) int32 bounds clipped to -1..S."""
+    """(B or 1, n) int32 bounds clipped to -1..S, both with the same batch size."""
+    lo, hi = torch.broadcast_tensors(lo, hi)
     return (lo.clamp(-1, S).to(torch.int32).contiguous(),
             hi.clamp(-1, S).to(torch.int32).contiguous())
 
