@@ -222,3 +222,46 @@ def test_python_dash_m_mosaics(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert Path(done.stdout.strip()) == ROOT / "configs/v2.yaml"
+
+
+def test_bad_files_end_in_one_line_not_a_traceback(capsys, tmp_path):
+    """Files that are not what a command expects: one line on stderr, status 2."""
+    import json
+
+    from mosaics import MosaicsConfig
+
+    text, junk = tmp_path / "notes.pt", tmp_path / "junk.pt"
+    text.write_text("hello\n")
+    junk.write_bytes(b"\x80" + bytes(range(256)) * 3)  # a pickle's first byte, then garbage
+    for path in (text, junk):
+        rc, _, err = run(capsys, "convert-reference", str(path), str(tmp_path / "out"))
+        assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+        assert "is not a PyTorch checkpoint" in err or "Cannot read" in err, err
+
+    good = tmp_path / "good"
+    AutoModelForCausalLM.from_config(MosaicsConfig(vocab_size=32, n_layer=1, n_embd=8, n_head=2,
+                                                   block_size=8)).save_pretrained(good)
+    weights = (good / "model.safetensors").read_bytes()
+    cases = {"truncated": "cannot load the weights",
+             "no_weights": "holds a config but no weights",
+             "other_model": "is not the config of a model",
+             "other_shape": "cannot load the weights"}
+    for name in cases:
+        folder = tmp_path / name
+        folder.mkdir()
+        config = json.loads((good / "config.json").read_text())
+        config.pop("auto_map", None)
+        if name == "other_model":
+            config["model_type"] = "no-such-model"
+        if name == "other_shape":
+            config["n_embd"] = 16
+        (folder / "config.json").write_text(json.dumps(config))
+        if name != "no_weights":
+            (folder / "model.safetensors").write_bytes(
+                weights[: len(weights) // 2] if name == "truncated" else weights)
+    data = tmp_path / "text.txt"
+    data.write_text("Once upon a time there was a cat.\n" * 20)
+    for name, message in cases.items():
+        rc, _, err = run(capsys, "eval", "perplexity", str(tmp_path / name), "--data", str(data))
+        last = err.strip().splitlines()[-1]
+        assert rc == 2 and message in last and "Traceback" not in err, (name, err[-2000:])

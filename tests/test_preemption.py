@@ -196,3 +196,121 @@ def test_deepspeed_ranks_checkpoint_on_the_signal(reference) -> None:
                            timeout=500)
     assert again.returncode == 0, again.stderr[-3000:]
     _check_requeued(run_dir, again.stderr, step, expected, 1e-4)
+
+
+# --- the project's launcher (mosaics train --nproc), torchrun's orphans, SIGKILL soak ----------
+
+def _alive(pids: list[int]) -> list[int]:
+    return [pid for pid in pids if Path(f"/proc/{pid}").exists()
+            and " Z " not in Path(f"/proc/{pid}/stat").read_text()]
+
+
+def _launch_cmd(settings: dict, run_dir: Path) -> list[str]:
+    return [sys.executable, str(ROOT / "train.py"), "--nproc", "2",
+            *(f"{k}={v}" for k, v in settings.items()), f"run_dir={run_dir}", "batch_size=1"]
+
+
+@pytest.mark.parametrize("sig, target", [(signal.SIGTERM, "launcher"),
+                                         (signal.SIGUSR1, "group")])
+def test_launcher_returns_75_after_the_ranks_checkpoint_and_resumes(reference, sig,
+                                                                    target) -> None:
+    """SIGTERM to ``train.py --nproc 2`` (a pod's PID 1, a wrapper script) or SIGUSR1 to its
+    process group (Ctrl-C, ``kill -- -PGID``): the launcher passes it to both ranks once, waits
+    for their checkpoint and exits 75 itself; the same command then resumes at once."""
+    base, settings, expected = reference
+    run_dir = base / f"launcher_{sig.name}"
+    cmd = _launch_cmd(settings, run_dir)
+    log = run_dir.parent / f"{run_dir.name}.log"
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=handle,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 400
+        while _logged_steps(run_dir) < 20:
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.02)
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2
+        if target == "group":
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid, sig)
+        code = proc.wait(timeout=300)
+    except BaseException:
+        _kill_group(proc)
+        raise
+    out = log.read_text()
+    assert code == EXIT_PREEMPTED, out[-3000:]
+    assert _alive(ranks) == []  # it returned after its ranks, not before
+    step = _check_stopped(run_dir, 2)
+    assert out.count(f"stopped by {sig.name} at step {step}") == 1, out[-3000:]
+    assert "Traceback" not in out and "exiting now" not in out  # one signal, delivered once
+    assert not (run_dir / ".lock").exists()
+    again = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True,
+                           timeout=400)
+    assert again.returncode == 0, again.stderr[-3000:]
+    _check_requeued(run_dir, again.stderr, step, expected, 1e-4)
+
+
+def test_ranks_of_a_torchrun_killed_by_sigusr1_checkpoint_and_free_the_lock(reference) -> None:
+    """torchrun dies at once on SIGUSR1 (it does not handle it); its ranks notice that their
+    launcher is gone, stop after the same step with one checkpoint and release the lock."""
+    base, settings, _ = reference
+    run_dir = base / "torchrun_orphans"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", str(ROOT / "train.py"), *(f"{k}={v}" for k, v in settings.items()),
+           f"run_dir={run_dir}", "batch_size=1"]
+    log = run_dir.parent / f"{run_dir.name}.log"
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(cmd, env=_env(ACCELERATE_USE_CPU="1"), cwd=ROOT, stdout=handle,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    ranks: list[int] = []
+    try:
+        deadline = time.time() + 400
+        while _logged_steps(run_dir) < 20:
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.02)
+        ranks = _children(proc.pid)
+        proc.send_signal(signal.SIGUSR1)
+        assert proc.wait(timeout=60) == -signal.SIGUSR1
+        deadline = time.time() + 120
+        while _alive(ranks) and time.time() < deadline:
+            time.sleep(0.05)
+        assert _alive(ranks) == [], log.read_text()[-3000:]
+    finally:
+        for pid in _alive(ranks):
+            os.kill(pid, signal.SIGKILL)
+    _check_stopped(run_dir, 2)
+    assert "launcher PID" in log.read_text() and not (run_dir / ".lock").exists()
+
+
+@pytest.mark.slow
+def test_sigkills_at_random_steps_end_with_the_uninterrupted_losses(reference) -> None:
+    """Soak: SIGKILL the same command at 5 random steps (mid-step, mid-save, mid-resume), run it
+    again each time, and once more to the end: the losses are the uninterrupted run's."""
+    import random
+
+    base, settings, expected = reference
+    run_dir = base / "soak"
+    cmd = [sys.executable, str(ROOT / "train.py"), *(f"{k}={v}" for k, v in settings.items()),
+           f"run_dir={run_dir}", "checkpoint_interval=9"]
+    seed = int(time.time())
+    kills = sorted(random.Random(seed).sample(range(5, SETTINGS["max_steps"] - 5), 5))
+    for target in kills:
+        proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            deadline = time.time() + 300
+            while _logged_steps(run_dir) < target and proc.poll() is None:
+                assert time.time() < deadline, f"seed {seed}: no progress to step {target}"
+                time.sleep(random.Random(seed + target).uniform(0.001, 0.02))
+            assert proc.poll() is None, f"seed {seed}: ended before step {target}"
+        finally:
+            _kill_group(proc)
+    final = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+    assert final.returncode == 0, f"seed {seed}: " + final.stderr[-3000:]
+    resumed = _metrics(run_dir)
+    assert set(resumed) == set(expected), f"seed {seed}, kills at {kills}"
+    for key, value in expected.items():
+        assert resumed[key] == pytest.approx(value, abs=1e-5, rel=0), (seed, kills, key)
