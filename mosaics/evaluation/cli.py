@@ -748,9 +748,18 @@ COMMANDS = {
 }
 
 
+STANDARD_BENCHMARKS = """\
+standard LM benchmarks (HellaSwag, ARC, PIQA, ...): a saved model runs in lm-evaluation-harness
+as a Hugging Face model, batched generation included (docs/evaluation.md, "Standard
+benchmarks with lm-evaluation-harness"):
+  lm_eval --model hf --model_args pretrained=runs/default/final,trust_remote_code=True \\
+      --tasks hellaswag,arc_easy --batch_size 8"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mosaics eval", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=STANDARD_BENCHMARKS)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (add_args, run, text) in COMMANDS.items():
         p = sub.add_parser(name, help=text, description=text)
