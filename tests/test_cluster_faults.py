@@ -411,3 +411,141 @@ def test_a_real_write_failure_inside_torch_save_is_reported_the_same_way(tmp_pat
     assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [2]
     assert ckpt.verify(run_dir / "checkpoints" / "step_0000002") is None
     assert not (run_dir / "checkpoints" / ".tmp-step_0000004").exists()
+
+
+def _age_lock(run_dir: Path, seconds: float) -> None:
+    then = __import__("time").time() - seconds
+    os.utime(run_dir / LOCK_NAME, (then, then))
+
+
+def test_lock_of_another_host_is_a_lease(tmp_path) -> None:
+    """A live holder on another host renews its lock; one not renewed for its lease is gone."""
+    _write_lock(tmp_path, host="node-17", pid=4242, lease_s=60.0, since="then")
+    _age_lock(tmp_path, 20)
+    with pytest.raises(ConfigError, match=r"in use by PID 4242 on host node-17 since then: its "
+                                          r"holder renewed the lock 20 s ago; .* expires 40 s"):
+        RunLock(tmp_path).acquire()
+    _age_lock(tmp_path, 61)
+    lock = RunLock(tmp_path)
+    note = lock.acquire()
+    assert note is not None and "replaced the lock of PID 4242 on node-17 (its lease expired: " \
+        "not renewed for 61 s" in note and "\n" not in note
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    lock.release()
+    # a lock written without a lease (an older version) is still refused
+    _write_lock(tmp_path, host="node-17", pid=4242)
+    _age_lock(tmp_path, 10**6)
+    with pytest.raises(ConfigError, match="delete"):
+        RunLock(tmp_path).acquire()
+
+
+def test_a_held_lock_is_renewed_until_released(tmp_path) -> None:
+    import time
+
+    lock = RunLock(tmp_path, lease_s=0.3)
+    assert lock.acquire() is None
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["lease_s"] == 0.3
+    _age_lock(tmp_path, 100)
+    time.sleep(0.25)  # renewed every lease / 6 = 0.05 s
+    assert time.time() - (tmp_path / LOCK_NAME).stat().st_mtime < 1
+    renewer = lock._renewer
+    lock.release()
+    assert not (tmp_path / LOCK_NAME).exists() and renewer is not None \
+        and not renewer.is_alive()
+
+
+def test_lease_setting_is_checked(monkeypatch) -> None:
+    from mosaics.training.rundir import LEASE_S, lease_seconds
+
+    assert lease_seconds() == LEASE_S
+    monkeypatch.setenv("MOSAICS_LOCK_LEASE_S", "30")
+    assert lease_seconds() == 30.0
+    monkeypatch.setenv("MOSAICS_LOCK_LEASE_S", "soon")
+    with pytest.raises(ConfigError, match="MOSAICS_LOCK_LEASE_S must be a positive number"):
+        lease_seconds()
+
+
+def test_a_signal_delivered_twice_at_once_counts_once(monkeypatch) -> None:
+    """A process-group signal and a launcher passing it on reach a rank together: one stop."""
+    import signal
+
+    from mosaics.training.signals import StopSignals
+
+    stop = StopSignals([signal.SIGUSR1])
+    with stop:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR1)  # a second, distinct signal would _exit here
+        assert stop.received == "SIGUSR1" and stop.requested()
+    monkeypatch.setenv("MOSAICS_LAUNCHER_PID", str(os.getppid()))
+    assert not StopSignals([signal.SIGTERM]).requested()  # the launcher is alive: our parent
+    monkeypatch.setenv("MOSAICS_LAUNCHER_PID", str(2**22 + 1))
+    gone = StopSignals([signal.SIGTERM])
+    assert gone.requested() and gone.received == f"the exit of launcher PID {2**22 + 1}"
+    assert StopSignals([]).launcher is None  # stop signals off: no launcher watch either
+
+
+def test_nproc_option_forms_and_errors() -> None:
+    from mosaics.training.launch import pop_nproc
+
+    assert pop_nproc(["--nproc", "2", "lr=1e-3"]) == (2, ["lr=1e-3"])
+    assert pop_nproc(["max_steps=5", "--nproc=4"]) == (4, ["max_steps=5"])
+    assert pop_nproc(["--nproc_per_node", "3"]) == (3, [])
+    assert pop_nproc(["lr=1"]) == (None, ["lr=1"])
+    for bad in (["--nproc"], ["--nproc", "0"], ["--nproc=two"]):
+        with pytest.raises(ConfigError, match="--nproc"):
+            pop_nproc(bad)
+
+
+DEEPSPEED_SKIP = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from test_cluster_faults import Hook, ToyBatches, ToyLM, _cfg
+from mosaics.training.trainer import Trainer
+
+class Weights(Hook):
+    seen = []
+    def on_step_end(self, trainer, step, metrics):
+        self.seen.append(sum(float(v.double().sum()) for v in
+                             trainer.unwrapped_model.state_dict().values()))
+
+cfg = _cfg(run_dir=sys.argv[2], max_steps=6, max_bad_steps=2)
+trainer = Trainer(cfg, ToyLM(), ToyBatches(poison={2, 3}), hooks=[Weights()])
+result = trainer.fit()
+print(json.dumps({"deepspeed": trainer.is_deepspeed, "skipped": result.skipped_steps,
+                  "steps": result.steps, "weights": Weights.seen,
+                  "lr": [r["lr"] for r in result.history]}))
+trainer.close()
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(__import__("importlib").util.find_spec("deepspeed") is None,
+                    reason="needs deepspeed")
+def test_deepspeed_skips_a_non_finite_step_like_the_other_engines(tmp_path) -> None:
+    """Under DeepSpeed ZeRO-2 the poisoned steps 3 and 4 are skipped (weights and lr as
+    before), counted in the result and in metrics.jsonl, and training goes on."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0",
+               WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_MIXED_PRECISION="no",
+               ACCELERATE_DEEPSPEED_CONFIG_FILE=str(root / "configs/deepspeed/zero2.json"))
+    env.pop("ACCELERATE_USE_CPU", None)
+    done = subprocess.run([sys.executable, "-c", DEEPSPEED_SKIP, str(root / "tests"),
+                           str(tmp_path / "run")], env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["deepspeed"] and out["steps"] == 6 and out["skipped"] == 2
+    weights = out["weights"]
+    assert weights[1] == weights[2] == weights[3] != weights[4]  # steps 3, 4 left them alone
+    assert len(out["lr"]) == 4  # the four trained steps are logged
+    assert "step skipped" in done.stderr
+    rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in rows if "skipped_steps" in r] == [1.0, 2.0]
