@@ -9,7 +9,9 @@ bias_i (t_i - j) with HAS_BIAS, t_i = i + pos0):
 m_i the row max of c (ANCHOR_MAX) or a constant, shift_i a constant or (SOLVE) the
 alpha-entmax threshold: Newton on g(tau) = (sum_j [x_ij - tau]_+^r)^(1/r) - 1 from tau = -1,
 one pass over the row's keys per step. Every loop walks the key blocks of a block of query
-rows; no score block outlives its loop body.
+rows (only those inside the rows' intervals); no score block outlives its loop body, and a
+tile where every u is 0 (outside every row's support: most tiles of a sparse kernel) skips its
+value and gradient products.
 
 Backward (dx = kappa h (dp - c), h = u^(r-1), dp_ij = g_i . v_j):
 - ``_power_bwd_dq``, per block of query rows: (SOLVE) c_i = sum h dp / sum h in a first pass,
@@ -60,6 +62,12 @@ def _scores(q, k_ptrs, j, d_ok, S, IEEE: tl.constexpr):
     """(BLOCK_M, BLOCK_N) fp32 scores of the rows q against keys j (rows of k_ptrs)."""
     k = tl.load(k_ptrs, mask=(j[:, None] < S) & d_ok[None, :], other=0.0)
     return _dot(q, tl.trans(k), IEEE)
+
+
+@triton.jit
+def _any_positive(u):
+    """Whether a (BLOCK_M, BLOCK_N) tile of u >= 0 has a nonzero entry."""
+    return tl.max(tl.max(u, axis=1), axis=0) > 0
 
 
 @triton.jit
@@ -156,10 +164,12 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG,
                     HAS_BIAS)
         vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
         u = tl.where(vis, tl.maximum(a[:, None] * (c - m[:, None]) - shift[:, None], 0.0), 0.0)
-        p = _power(u, R_KIND, r)
-        total += tl.sum(p, axis=1)
-        v = tl.load(v_base + j[:, None] * sv_n, mask=(j[:, None] < S) & dv_ok[None, :], other=0.0)
-        acc += _dot(p.to(v.dtype), v, IEEE)
+        if _any_positive(u):  # a tile outside every row's support adds nothing
+            p = _power(u, R_KIND, r)
+            total += tl.sum(p, axis=1)
+            v = tl.load(v_base + j[:, None] * sv_n, mask=(j[:, None] < S) & dv_ok[None, :],
+                        other=0.0)
+            acc += _dot(p.to(v.dtype), v, IEEE)
     inv = tl.where(total > 0, 1.0 / tl.maximum(total, 1e-38), 0.0)
     tl.store(OUT + bh * so_bh + rows[:, None] * so_n + dv[None, :], acc * inv[:, None],
              mask=row_ok[:, None] & dv_ok[None, :])
@@ -216,12 +226,13 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
             vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
             u = tl.where(vis, tl.maximum(a[:, None] * (cs - m[:, None]) - shift[:, None], 0.0),
                          0.0)
-            h = _power_m1(u, R_KIND, r)
-            v = tl.load(v_base + j[:, None] * sv_n, mask=(j[:, None] < S) & dv_ok[None, :],
-                        other=0.0)
-            dp = _dot(g, tl.trans(v), IEEE)
-            num += tl.sum(h * dp, axis=1)
-            den += tl.sum(h, axis=1)
+            if _any_positive(u):
+                h = _power_m1(u, R_KIND, r)
+                v = tl.load(v_base + j[:, None] * sv_n, mask=(j[:, None] < S) & dv_ok[None, :],
+                            other=0.0)
+                dp = _dot(g, tl.trans(v), IEEE)
+                num += tl.sum(h * dp, axis=1)
+                den += tl.sum(h, axis=1)
         cc = tl.where(den > 0, num / tl.maximum(den, 1e-38), 0.0)
         tl.store(C + stat, cc, mask=row_ok)
     else:
@@ -236,15 +247,16 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
         cs = _biased(_dot(q, tl.trans(k), IEEE), bias, t, j, HAS_BIAS)
         vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
         u = tl.where(vis, tl.maximum(a[:, None] * (cs - m[:, None]) - shift[:, None], 0.0), 0.0)
-        h = _power_m1(u, R_KIND, r)
-        v = tl.load(v_base + j[:, None] * sv_n, mask=(j[:, None] < S) & dv_ok[None, :],
-                    other=0.0)
-        dp = _dot(g, tl.trans(v), IEEE)
-        dx = kappa[:, None] * h * (dp - cc[:, None])
-        rsum += tl.sum(dx, axis=1)
-        if HAS_BIAS:
-            rsumj += tl.sum(dx * j[None, :].to(tl.float32), axis=1)
-        dq += _dot(dx.to(k.dtype), k, IEEE)
+        if _any_positive(u):
+            h = _power_m1(u, R_KIND, r)
+            v = tl.load(v_base + j[:, None] * sv_n, mask=(j[:, None] < S) & dv_ok[None, :],
+                        other=0.0)
+            dp = _dot(g, tl.trans(v), IEEE)
+            dx = kappa[:, None] * h * (dp - cc[:, None])
+            rsum += tl.sum(dx, axis=1)
+            if HAS_BIAS:
+                rsumj += tl.sum(dx * j[None, :].to(tl.float32), axis=1)
+            dq += _dot(dx.to(k.dtype), k, IEEE)
     tl.store(DQ + bh * n * BLOCK_D + rows[:, None] * BLOCK_D + dd[None, :], dq,
              mask=row_ok[:, None] & d_ok[None, :])
     tl.store(RSUM + stat, rsum, mask=row_ok)
@@ -296,11 +308,12 @@ def _power_bwd_dkv(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, INV, QB_FIRS
         cs = _biased(_dot(q, tl.trans(k), IEEE), bias, rows + pos0, j, HAS_BIAS)
         vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None]) & j_ok[None, :]
         u = tl.where(vis, tl.maximum(a[:, None] * (cs - m[:, None]) - shift[:, None], 0.0), 0.0)
-        p = _power(u, R_KIND, r) * inv[:, None]
-        dvv += _dot(tl.trans(p).to(g.dtype), g, IEEE)
-        dp = _dot(g, tl.trans(v), IEEE)
-        dx = (a * kappa)[:, None] * _power_m1(u, R_KIND, r) * (dp - cc[:, None])
-        dk += _dot(tl.trans(dx).to(q.dtype), q, IEEE)
+        if _any_positive(u):
+            p = _power(u, R_KIND, r) * inv[:, None]
+            dvv += _dot(tl.trans(p).to(g.dtype), g, IEEE)
+            dp = _dot(g, tl.trans(v), IEEE)
+            dx = (a * kappa)[:, None] * _power_m1(u, R_KIND, r) * (dp - cc[:, None])
+            dk += _dot(tl.trans(dx).to(q.dtype), q, IEEE)
     tl.store(DK + bh * S * BLOCK_D + j[:, None] * BLOCK_D + dd[None, :], dk,
              mask=j_ok[:, None] & d_ok[None, :])
     tl.store(DV_OUT + bh * S * BLOCK_DV + j[:, None] * BLOCK_DV + dv[None, :], dvv,
