@@ -29,8 +29,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from ..ops.leaky import chunk_grid, merge_chunks, split_chunks
-from ..ops.linear_attention import causal_linear_attention as fused_linear_attention
-from ..ops.linear_attention import linear_attention_unsupported
+from ..ops.linear_attention import fused_backward, fused_forward, linear_attention_unsupported
 from ..ops.triton_backend import fused_expected, fused_reason, note_path
 from .base import (
     Kernel,
@@ -445,6 +444,33 @@ class _Segments:
         return da
 
 
+class _FusedElu1Attention(torch.autograd.Function):
+    """:class:`_CosineFeatureAttention`'s result through the fused Triton scan
+    (:func:`mosaics.ops.linear_attention.fused_forward`, chunks of 64 rows): the elu1 features
+    g = ELU(phi(x)) + 1 (B, H, T, 2M) in PyTorch (one GEMM and elementwise maps), then
+    y_t = sum_{s<t} (g_t . g_s) v_s / (sum_{s<t} g_t . g_s + eps) in one pass each way.
+    Saves x, v, w1, w2, y and den' (no T x M' tensor): backward recomputes g, gets dg and dv
+    from :func:`~mosaics.ops.linear_attention.fused_backward` and dg's way back to x and the
+    frequencies through autograd of the feature map."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, v: Tensor, w1: Tensor, w2: Tensor, eps: float) -> Tensor:
+        y, den = fused_forward(elu1_features(x, w1, w2), None, v, eps)
+        ctx.save_for_backward(x, v, w1, w2, y, den)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: Tensor):  # noqa: ANN205
+        x, v, w1, w2, y, den = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_() for t in (x, w1, w2)]
+            g = elu1_features(*inputs)
+        dg, _, dv = fused_backward(g.detach(), None, v, y, den, dy)
+        dx, dw1, dw2 = torch.autograd.grad(g, inputs, dg)
+        return dx, dv, dw1, dw2, None
+
+
 NO_MEMORY = -1e30  # log-scale of an empty memory (finite, so differences stay defined)
 MAX_PAIR_EXP = 80.0  # exponent cap of a pair's rescaling factor (e^80 < fp32 max)
 
@@ -706,15 +732,8 @@ class FSKAKernel(Kernel):
         return fused_reason(x, values) or linear_attention_unsupported(x, None, values)
 
     def _fused(self, x: Tensor, v: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
-        """The strict-past retrieval through :func:`mosaics.ops.causal_linear_attention`
-        (Triton, chunks of 64): the elu1 features g (B, H, T, 2M) in PyTorch, recomputed in
-        backward (checkpointed: one GEMM and elementwise maps), and y_t = sum_{s<t}
-        (g_t . g_s) v_s / (sum_{s<t} g_t . g_s + eps) in one fused pass each way."""
-        if torch.is_grad_enabled():
-            g = checkpoint(elu1_features, x, w1, w2, use_reentrant=False)
-        else:
-            g = elu1_features(x, w1, w2)
-        return fused_linear_attention(g, None, v, self.eps)
+        """The strict-past retrieval through the fused kernels (:class:`_FusedElu1Attention`)."""
+        return _FusedElu1Attention.apply(x.contiguous(), v.contiguous(), w1, w2, self.eps)
 
     def attend(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                lo: Tensor, hi: Tensor) -> Tensor:

@@ -95,57 +95,74 @@ def _chunk_states(mod: ModuleType, a: Tensor, b: Tensor, w: Tensor | None, rever
     return S, z
 
 
+def fused_forward(q: Tensor, k: Tensor | None, v: Tensor, eps: float,
+                  chunk: int = CHUNK) -> tuple[Tensor, Tensor]:
+    """The fused forward, no autograd: y (B, H, T, D) and den' = den + eps (B, H, T) fp32,
+    from q, k (B, H, T, F) (k None: k = q) and v (B, H, T, D), contiguous, of one dtype
+    (checked by :func:`causal_linear_attention`; also the building block of a caller's own
+    autograd Function, as FSKA's)."""
+    B, H, T, F = q.shape
+    D = v.shape[-1]
+    mod = triton_module(KERNEL_FILE, q.device)
+    dots = _dot_args(q.dtype, q.device)
+    kk = q if k is None else k
+    q3, k3, v3 = q.view(B * H, T, F), kk.view(B * H, T, F), v.view(B * H, T, D)
+    P, z = _chunk_states(mod, k3, v3, None, False, chunk, dots)
+    y = torch.empty_like(v3)
+    den = q.new_empty(B * H, T, dtype=torch.float32)
+    nc = P.shape[1]
+    mod.chunk_forward[(nc, B * H)](q3, k3, v3, P, z, y, den, T, F, D, nc, eps, C=chunk,
+                                   BK=_block(F, 64), BD=_block(D, MAX_VALUE_DIM), **dots,
+                                   **LAUNCH)
+    return y.view(B, H, T, D), den.view(B, H, T)
+
+
+def fused_backward(q: Tensor, k: Tensor | None, v: Tensor, y: Tensor, den: Tensor, dy: Tensor,
+                   chunk: int = CHUNK) -> tuple[Tensor, Tensor | None, Tensor]:
+    """(dq, dk, dv) of :func:`fused_forward` from its inputs, its (y, den') and dy (B, H, T, D);
+    dk None when k is None (then dq is the whole gradient of the shared features). The chunk
+    states are recomputed."""
+    B, H, T, F = q.shape
+    D = v.shape[-1]
+    BH = B * H
+    mod = triton_module(KERNEL_FILE, q.device)
+    dots = _dot_args(q.dtype, q.device)
+    kk = q if k is None else k
+    q3, k3, v3 = q.view(BH, T, F), kk.view(BH, T, F), v.view(BH, T, D)
+    dy = dy.reshape(BH, T, D).contiguous()
+    dn = torch.empty_like(v3)
+    dd = torch.empty(BH, T, device=q.device, dtype=torch.float32)
+    BT, BD = 64, _block(D, MAX_VALUE_DIM)
+    mod.output_grad[(-(-T // BT), BH)](dy, y, den, dn, dd, T, D, BT=BT, BD=BD, DT=dots["DT"])
+    P, z = _chunk_states(mod, k3, v3, None, False, chunk, dots)
+    R, r = _chunk_states(mod, q3, dn, dd, True, chunk, dots)
+    dq = torch.empty_like(q3)
+    dk = dq if k is None else torch.empty_like(k3)
+    dv = torch.empty_like(v3)
+    nc = P.shape[1]
+    mod.chunk_backward[(nc, BH)](q3, k3, v3, dn, dd, P, z, R, r, dq, dk, dv, T, F, D, nc,
+                                 SHARED=k is None, C=chunk, BK=_block(F, 32), BD=BD, **dots,
+                                 **LAUNCH)
+    return dq.view(q.shape), None if k is None else dk.view(k.shape), dv.view(v.shape)
+
+
 class _LinearAttention(torch.autograd.Function):
     """y (B, H, T, D) of :func:`causal_linear_attention` from q, k (B, H, T, F) (k None:
-    k = q, one gradient) and v (B, H, T, D), all contiguous of one dtype."""
+    k = q, one gradient) and v (B, H, T, D), all contiguous of one dtype. Saves the inputs,
+    y and den'."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor | None, v: Tensor, eps: float, chunk: int) -> Tensor:
-        B, H, T, F = q.shape
-        D = v.shape[-1]
-        mod = triton_module(KERNEL_FILE, q.device)
-        dots = _dot_args(q.dtype, q.device)
-        kk = q if k is None else k
-        q3, k3, v3 = q.view(B * H, T, F), kk.view(B * H, T, F), v.view(B * H, T, D)
-        P, z = _chunk_states(mod, k3, v3, None, False, chunk, dots)
-        y = torch.empty_like(v3)
-        den = q.new_empty(B * H, T, dtype=torch.float32)
-        nc = P.shape[1]
-        mod.chunk_forward[(nc, B * H)](q3, k3, v3, P, z, y, den, T, F, D, nc, eps, C=chunk,
-                                       BK=_block(F, 64), BD=_block(D, MAX_VALUE_DIM), **dots,
-                                       **LAUNCH)
+        y, den = fused_forward(q, k, v, eps, chunk)
         ctx.save_for_backward(q, k, v, y, den)
-        ctx.chunk, ctx.dots = chunk, dots
-        return y.view(B, H, T, D)
+        ctx.chunk = chunk
+        return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy: Tensor):  # noqa: ANN205
         q, k, v, y, den = ctx.saved_tensors
-        chunk, dots = ctx.chunk, ctx.dots
-        B, H, T, F = q.shape
-        D = v.shape[-1]
-        BH = B * H
-        mod = triton_module(KERNEL_FILE, q.device)
-        kk = q if k is None else k
-        q3, k3, v3 = q.view(BH, T, F), kk.view(BH, T, F), v.view(BH, T, D)
-        dy = dy.reshape(BH, T, D).contiguous()
-        dn = torch.empty_like(v3)
-        dd = torch.empty(BH, T, device=q.device, dtype=torch.float32)
-        BT, BDo = 64, _block(D, MAX_VALUE_DIM)
-        mod.output_grad[(-(-T // BT), BH)](dy, y, den, dn, dd, T, D, BT=BT, BD=BDo,
-                                           DT=dots["DT"])
-        P, z = _chunk_states(mod, k3, v3, None, False, chunk, dots)
-        R, r = _chunk_states(mod, q3, dn, dd, True, chunk, dots)
-        dq = torch.empty_like(q3)
-        dk = dq if k is None else torch.empty_like(k3)
-        dv = torch.empty_like(v3)
-        nc = P.shape[1]
-        mod.chunk_backward[(nc, BH)](q3, k3, v3, dn, dd, P, z, R, r, dq, dk, dv, T, F, D, nc,
-                                     SHARED=k is None, C=chunk, BK=_block(F, 32), BD=BDo,
-                                     **dots, **LAUNCH)
-        return (dq.view(q.shape), None if k is None else dk.view(k.shape), dv.view(v.shape),
-                None, None)
+        return (*fused_backward(q, k, v, y, den, dy, ctx.chunk), None, None)
 
 
 def causal_linear_attention(q: Tensor, k: Tensor | None, v: Tensor, eps: float = 1e-20,
