@@ -27,12 +27,14 @@ Pretrain a Memory Mosaics model (or the matched GPT-2 baseline).
   {prog}                                    # small model, embedded corpus, CPU
   {prog} --config babistories_124m data_source=/data/babistories
   {prog} max_steps=50 --lr 1e-3 --resume    # key=value, --key value, --flag
-  {prog} --nproc 2 batch_size=4              # 2 ranks on this machine (gloo on CPU)
+  {prog} --nproc 2 batch_size=4             # 2 ranks on this machine (gloo on CPU)
+  {prog} --nproc 8 --deepspeed configs/deepspeed/zero2.json --config babistories_124m
 
 --config takes a YAML file or the name of a shipped recipe ({recipes}).
 --print-config prints the resolved configuration and exits without training.
---nproc N starts N ranks on this machine and waits for them; a SIGTERM or SIGUSR1 to it
-reaches every rank once and it exits 75 after their checkpoint (docs/training.md).
+--nproc N starts N ranks on this machine and waits for them (--deepspeed CONFIG.json: under
+DeepSpeed); a SIGTERM or SIGUSR1 to it reaches every rank once and it exits 75 after their
+checkpoint (docs/training.md).
 Every field below can be overridden; see docs/training.md for multi-process (accelerate,
 torchrun) and DeepSpeed launches.
 """
@@ -77,22 +79,26 @@ def train_main(argv: list[str] | None = None, prog: str = "mosaics train") -> in
     args = [a for a in args if a != "--print-config"]
     _prepare_training_env()
     from .training import config_from_argv, train
-    from .training.launch import launch, pop_nproc
+    from .training.launch import launch, pop_deepspeed, pop_nproc
 
     try:
         nproc, args = pop_nproc(args)
+        deepspeed, args = pop_deepspeed(args)
+        if deepspeed is not None and nproc is None:
+            raise InputError("--deepspeed goes with --nproc N (the ranks this command starts); "
+                             "under another launcher use its DeepSpeed options.")
         config = config_from_argv(_resolve_config_arg(args))
         if print_config:
             import yaml
 
             print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
             return 0
-        if nproc is not None and nproc > 1:
+        if nproc is not None and (nproc > 1 or deepspeed is not None):
             if os.environ.get("WORLD_SIZE", "1") != "1":
                 raise InputError("--nproc starts the ranks itself; drop it when a launcher "
                                  f"(torchrun, accelerate, srun) already did (WORLD_SIZE="
                                  f"{os.environ['WORLD_SIZE']}).")
-            return launch(nproc, args, prog)
+            return launch(nproc, args, prog, deepspeed)
         from .training.trainer import flush_denormals_early
 
         flush_denormals_early(config.flush_denormal)  # CPU arithmetic only

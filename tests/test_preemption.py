@@ -205,9 +205,25 @@ def _alive(pids: list[int]) -> list[int]:
             and " Z " not in Path(f"/proc/{pid}/stat").read_text()]
 
 
+# the runs below stop at step SHORT with the reference's 300-step schedule: their losses are the
+# reference's first SHORT steps
+SHORT = 60
+SHORTER = dict(max_steps=SHORT, schedule_steps=SETTINGS["max_steps"])
+
+
 def _launch_cmd(settings: dict, run_dir: Path) -> list[str]:
     return [sys.executable, str(ROOT / "train.py"), "--nproc", "2",
-            *(f"{k}={v}" for k, v in settings.items()), f"run_dir={run_dir}", "batch_size=1"]
+            *(f"{k}={v}" for k, v in dict(settings, **SHORTER).items()), f"run_dir={run_dir}",
+            "batch_size=1"]
+
+
+def _check_first_steps(run_dir: Path, reference: dict, tol: float, context: object = "") -> None:
+    """Every value the reference logged up to step SHORT, equal within ``tol``."""
+    resumed = _metrics(run_dir)
+    for key, value in reference.items():
+        if key[0] <= SHORT:
+            assert key in resumed, (context, key)
+            assert resumed[key] == pytest.approx(value, abs=tol, rel=0), (context, key)
 
 
 @pytest.mark.parametrize("sig, target", [(signal.SIGTERM, "launcher"),
@@ -249,7 +265,8 @@ def test_launcher_returns_75_after_the_ranks_checkpoint_and_resumes(reference, s
     again = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True,
                            timeout=400)
     assert again.returncode == 0, again.stderr[-3000:]
-    _check_requeued(run_dir, again.stderr, step, expected, 1e-4)
+    assert f"at step {step}" in again.stderr, again.stderr[-3000:]
+    _check_first_steps(run_dir, expected, 1e-4)
 
 
 def test_ranks_of_a_torchrun_killed_by_sigusr1_checkpoint_and_free_the_lock(reference) -> None:
@@ -258,8 +275,9 @@ def test_ranks_of_a_torchrun_killed_by_sigusr1_checkpoint_and_free_the_lock(refe
     base, settings, _ = reference
     run_dir = base / "torchrun_orphans"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "2", str(ROOT / "train.py"), *(f"{k}={v}" for k, v in settings.items()),
-           f"run_dir={run_dir}", "batch_size=1"]
+           "2", str(ROOT / "train.py"),
+           *(f"{k}={v}" for k, v in dict(settings, **SHORTER).items()), f"run_dir={run_dir}",
+           "batch_size=1"]
     log = run_dir.parent / f"{run_dir.name}.log"
     with open(log, "w") as handle:
         proc = subprocess.Popen(cmd, env=_env(ACCELERATE_USE_CPU="1"), cwd=ROOT, stdout=handle,
@@ -292,10 +310,11 @@ def test_sigkills_at_random_steps_end_with_the_uninterrupted_losses(reference) -
 
     base, settings, expected = reference
     run_dir = base / "soak"
-    cmd = [sys.executable, str(ROOT / "train.py"), *(f"{k}={v}" for k, v in settings.items()),
-           f"run_dir={run_dir}", "checkpoint_interval=9"]
+    cmd = [sys.executable, str(ROOT / "train.py"),
+           *(f"{k}={v}" for k, v in dict(settings, **SHORTER).items()), f"run_dir={run_dir}",
+           "checkpoint_interval=7"]
     seed = int(time.time())
-    kills = sorted(random.Random(seed).sample(range(5, SETTINGS["max_steps"] - 5), 5))
+    kills = sorted(random.Random(seed).sample(range(3, SHORT - 3), 5))
     for target in kills:
         proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
@@ -310,7 +329,4 @@ def test_sigkills_at_random_steps_end_with_the_uninterrupted_losses(reference) -
     final = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True,
                            timeout=300)
     assert final.returncode == 0, f"seed {seed}: " + final.stderr[-3000:]
-    resumed = _metrics(run_dir)
-    assert set(resumed) == set(expected), f"seed {seed}, kills at {kills}"
-    for key, value in expected.items():
-        assert resumed[key] == pytest.approx(value, abs=1e-5, rel=0), (seed, kills, key)
+    _check_first_steps(run_dir, expected, 1e-5, f"seed {seed}, kills at steps {kills}")

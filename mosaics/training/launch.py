@@ -36,27 +36,48 @@ FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 FAILURE_GRACE_S = 30.0
 
 
-def pop_nproc(args: list[str]) -> tuple[int | None, list[str]]:
-    """Take ``--nproc N`` / ``--nproc=N`` out of the training arguments."""
-    rest, nproc, i = [], None, 0
+def _pop_option(args: list[str], names: tuple[str, ...], what: str
+                ) -> tuple[str | None, list[str]]:
+    """Take ``NAME VALUE`` / ``NAME=VALUE`` (any of ``names``; the last one wins) out of
+    ``args``."""
+    rest, value, i = [], None, 0
     while i < len(args):
         arg = args[i]
-        if arg in ("--nproc", "--nproc-per-node", "--nproc_per_node"):
+        if arg in names:
             if i + 1 >= len(args):
-                raise ConfigError(f"{arg} needs a value: {arg} N (processes on this machine).")
+                raise ConfigError(f"{arg} needs a value: {arg} {what}.")
             value, i = args[i + 1], i + 2
-        elif arg.split("=", 1)[0] in ("--nproc", "--nproc-per-node", "--nproc_per_node") \
-                and "=" in arg:
+        elif "=" in arg and arg.split("=", 1)[0] in names:
             value, i = arg.split("=", 1)[1], i + 1
         else:
             rest.append(arg)
             i += 1
-            continue
-        if not value.isdigit() or int(value) < 1:
-            raise ConfigError(f"--nproc must be a positive whole number of processes, got "
-                              f"{value!r}.")
-        nproc = int(value)
-    return nproc, rest
+    return value, rest
+
+
+def pop_nproc(args: list[str]) -> tuple[int | None, list[str]]:
+    """Take ``--nproc N`` / ``--nproc=N`` out of the training arguments."""
+    value, rest = _pop_option(args, ("--nproc", "--nproc-per-node", "--nproc_per_node"),
+                              "N (processes on this machine)")
+    if value is None:
+        return None, rest
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"--nproc must be a positive whole number of processes, got "
+                          f"{value!r}.")
+    return int(value), rest
+
+
+def pop_deepspeed(args: list[str]) -> tuple[Path | None, list[str]]:
+    """Take ``--deepspeed CONFIG.json`` (DeepSpeed for the ranks of ``--nproc``) out of the
+    training arguments."""
+    value, rest = _pop_option(args, ("--deepspeed",), "CONFIG.json (configs/deepspeed/)")
+    if value is None:
+        return None, rest
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"--deepspeed {value}: no such file; pass a DeepSpeed JSON config "
+                          "such as configs/deepspeed/zero2.json.")
+    return path.resolve(), rest
 
 
 def _free_port() -> int:
@@ -65,12 +86,17 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def rank_env(rank: int, nproc: int, port: int, base: dict[str, str] | None = None
-             ) -> dict[str, str]:
-    """The environment of rank ``rank`` of ``nproc`` on this machine."""
+def rank_env(rank: int, nproc: int, port: int, base: dict[str, str] | None = None,
+             deepspeed: Path | None = None) -> dict[str, str]:
+    """The environment of rank ``rank`` of ``nproc`` on this machine (with ``deepspeed``: the
+    variables accelerate reads to run DeepSpeed with that JSON config)."""
     import mosaics
 
     env = dict(os.environ if base is None else base)
+    if deepspeed is not None:
+        env.update(ACCELERATE_USE_DEEPSPEED="true",
+                   ACCELERATE_DEEPSPEED_CONFIG_FILE=str(deepspeed))
+        env.pop("ACCELERATE_USE_CPU", None)  # it would turn DeepSpeed off
     for key in ("TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK"):
         env.pop(key, None)
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
@@ -91,8 +117,9 @@ def rank_env(rank: int, nproc: int, port: int, base: dict[str, str] | None = Non
 class Launcher:
     """N ranks of ``mosaics train ARGS`` and the signal policy of the module docstring."""
 
-    def __init__(self, nproc: int, args: list[str], prog: str = "mosaics train") -> None:
-        self.nproc, self.args, self.prog = nproc, list(args), prog
+    def __init__(self, nproc: int, args: list[str], prog: str = "mosaics train",
+                 deepspeed: Path | None = None) -> None:
+        self.nproc, self.args, self.prog, self.deepspeed = nproc, list(args), prog, deepspeed
         self.procs: list[subprocess.Popen[bytes]] = []
         self.signalled: str | None = None
         self.killed_by: int | None = None
@@ -125,8 +152,8 @@ class Launcher:
         try:
             for rank in range(self.nproc):
                 cmd = [sys.executable, "-m", "mosaics", "train", *self.args]
-                self.procs.append(subprocess.Popen(cmd, env=rank_env(rank, self.nproc, port),
-                                                   start_new_session=True))
+                env = rank_env(rank, self.nproc, port, deepspeed=self.deepspeed)
+                self.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
             codes = self._wait()
         finally:
             self._send(signal.SIGKILL)  # only ranks still running (an error in this process)
@@ -164,7 +191,9 @@ class Launcher:
         return 0
 
 
-def launch(nproc: int, args: list[str], prog: str = "mosaics train") -> int:
-    """Run ``mosaics train ARGS`` as ``nproc`` ranks on this machine; returns the exit status
-    (0, 75 after a stop signal's checkpoint, or the first failed rank's status)."""
-    return Launcher(nproc, args, prog).run()
+def launch(nproc: int, args: list[str], prog: str = "mosaics train",
+           deepspeed: Path | None = None) -> int:
+    """Run ``mosaics train ARGS`` as ``nproc`` ranks on this machine (under DeepSpeed with
+    the ``deepspeed`` JSON config); returns the exit status (0, 75 after a stop signal's
+    checkpoint, or the first failed rank's status)."""
+    return Launcher(nproc, args, prog, deepspeed).run()
