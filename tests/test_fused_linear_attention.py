@@ -42,7 +42,8 @@ def _check(low, ref, chunk, dtype, eps=1e-20):
     y = causal_linear_attention(*low, eps=eps, chunk=chunk)
     assert y.dtype == dtype and y.shape == low[2].shape
     y_ref = causal_linear_attention_reference(*ref, eps=eps)
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1),
+                     dtype=torch.float64).to(y.device)
     grads = torch.autograd.grad(y, _leaves(low), dy.to(dtype))
     grads_ref = torch.autograd.grad(y_ref, _leaves(ref), dy)
     # relative to each tensor's largest entry; bf16 gradients cancel (dn . (v_s - y_t)) in
@@ -141,3 +142,45 @@ def test_fska_exp_map_records_its_chunked_path(fused):
     keys = torch.nn.functional.normalize(torch.randn(1, 2, 9, 6), dim=-1)
     kernel(keys, torch.randn(1, 2, 9, 6), torch.tensor([2.0, 2.0]))
     assert triton_backend.PATHS["fska"].startswith("chunked: positive='exp'")
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("T,F,D", [(1000, 192, 64), (777, 70, 40)])
+def test_compiled_kernels_on_cuda(dtype, shared, T, F, D):
+    """The compiled kernels (the GPU's own tile layouts, pipelining, fp32 as IEEE products
+    unless TF32 is allowed) against the float64 reference."""
+    assert triton_backend.fused_reason(torch.zeros(1, device="cuda")) is None
+    low, ref = _inputs(2, 3, T, F, D, dtype, shared)
+    low = [None if x is None else x.detach().cuda().requires_grad_() for x in low]
+    ref = [None if x is None else x.detach().cuda().requires_grad_() for x in ref]
+    _check(low, ref, 64, dtype)
+
+
+@pytest.mark.cuda
+@cuda
+def test_fska_fused_path_on_cuda(monkeypatch):
+    """FSKA on CUDA (the default switch takes the fused path) against MOSAICS_FUSED=0, at the
+    default 96 frequency pairs (192 features) and head size 64."""
+    torch.manual_seed(0)
+    kernel = get_kernel("fska", flow_hidden=16)
+    kernel.build(4, 64)
+    kernel = kernel.cuda().eval()
+    g = torch.Generator().manual_seed(5)
+    keys = torch.nn.functional.normalize(torch.randn(2, 4, 1500, 64, generator=g), dim=-1)
+    values = torch.randn(2, 4, 1500, 64, generator=g)
+    keys, values, beta = keys.cuda(), values.cuda(), torch.full((4,), 7.39, device="cuda")
+    results = {}
+    for switch in ("", "0"):
+        monkeypatch.setenv("MOSAICS_FUSED", switch)
+        k, v = keys.clone().requires_grad_(), values.clone().requires_grad_()
+        y = kernel(k, v, beta)
+        results[switch] = (y, *torch.autograd.grad(y.sin().sum(), (k, v)))
+        assert (triton_backend.PATHS["fska"] == "fused") == (switch == "")
+    for got, want in zip(results[""], results["0"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)

@@ -731,6 +731,7 @@ class FSKAKernel(Kernel):
                     "elu1 map has a fused scan")
         return fused_reason(x, values) or linear_attention_unsupported(x, None, values)
 
+    @torch.compiler.disable  # Triton launches from a module loaded by path: run them eagerly
     def _fused(self, x: Tensor, v: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
         """The strict-past retrieval through the fused kernels (:class:`_FusedElu1Attention`)."""
         return _FusedElu1Attention.apply(x.contiguous(), v.contiguous(), w1, w2, self.eps)
