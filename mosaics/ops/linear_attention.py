@@ -5,18 +5,22 @@
 for non-negative features q, k (B, H, T, F) and values v (B, H, T, D)
 (:func:`causal_linear_attention_reference`, dense). :func:`causal_linear_attention` runs the
 chunked Triton kernels of ``triton_kernels/linear_attention.py`` (compiled on CUDA, under
-Triton's interpreter on CPU tensors; see :mod:`.triton_backend`): per chunk of C rows the
-strictly-lower (C, C) block q k^T against [v, 1] plus the fp32 prefix state
-sum_{s in earlier chunks} k_s [v_s, 1]^T, so the numerator and the denominator come out of one
-pass, and nothing of size T x T or T x F x D is formed. Cost O(T (C + D) F) multiply-adds
-each way; memory saved for backward: the inputs, y and den (the chunk states are recomputed).
+Triton's interpreter on CPU tensors with ``MOSAICS_FUSED=1``; see :mod:`.triton_backend`):
+per chunk of C rows the strictly-lower (C, C) block q k^T against [v, 1] plus the fp32 prefix
+state sum_{s in earlier chunks} k_s [v_s, 1]^T, so the numerator and the denominator come out
+of one pass, and nothing of size T x T or T x F x D is formed. Cost O(T (C + D) F)
+multiply-adds each way, chunk states (T / C) F D fp32 numbers; saved for backward: the
+inputs, y and den (the chunk states are recomputed). Where the fused kernels do not run (the
+switch, the device, float64, D > 256) the same chunks run in PyTorch.
+:func:`fused_forward` / :func:`fused_backward` are the two passes without autograd, for a
+caller's own autograd Function (FSKA recomputes its features instead of saving them).
 
 Inputs of one floating dtype (fp32, bf16 or fp16; mixed inputs are promoted) are multiplied
 in that dtype with fp32 accumulation; fp32 products use TF32 on the GPU only where PyTorch's
 own fp32 matmuls may (``torch.backends.cuda.matmul.allow_tf32``, i.e.
-``torch.set_float32_matmul_precision("high")``). With bf16 / fp16 inputs the fp32 chunk
-states are rounded to that dtype where they enter a product (as flash attention rounds its
-probabilities).
+``torch.set_float32_matmul_precision("high")``), IEEE fp32 otherwise. With bf16 / fp16 inputs
+the fp32 chunk states, the (C, C) blocks and dy / den are rounded to that dtype where they
+enter a product (as flash attention rounds its probabilities).
 """
 
 from __future__ import annotations

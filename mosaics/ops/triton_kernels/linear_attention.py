@@ -13,7 +13,7 @@ Forward: ``chunk_states`` (the exclusive prefix states P_c = sum_{s in chunks < 
 and z_c = sum k_s, one program per (feature block, value block, bh) walking the chunks),
 then ``chunk_forward`` (one program per (chunk, bh)): o = q P_c + A v, den = q z_c + A 1 with
 A = strictly lower (q k^T) of the chunk, y = o / (den + eps) (0 where that is 0).
-Backward: ``output_grad`` (dn = dy / den', dd = -(dy . y) / den'), ``chunk_states`` reversed
+Backward: ``output_grad`` (dn = dy / den', dd = -(dn . y)), ``chunk_states`` reversed
 for the suffix states R_c = sum_{t in chunks > c} q_t dn_t^T and r_c = sum q_t dd_t, then
 ``chunk_backward`` (one program per (chunk, bh)) with dA = strictly lower (dn v^T + dd 1^T):
 dq = dA k + dn P_c^T + dd z_c^T, dk = dA^T q + v R_c^T + 1 r_c^T, dv = A^T dn + k R_c.
