@@ -14,6 +14,13 @@ A second table compares cached generation with recomputing the whole prefix for 
     OMP_NUM_THREADS=1 python bench/generate.py --clock cpu        # robust on a shared machine
     OMP_NUM_THREADS=1 python bench/generate.py --kernels gaussian --batches 1 --repeats 5
 
+``--padding`` adds a table of Memory Mosaics alone, generating with an ``attention_mask``: of
+ones with the padding check switched off (what a model without padding support runs), of
+ones (the check finds no padding), and left-padded (row b of a batch loses its first
+b P / (2 batch) prompt tokens to padding), runs alternating; ratios against the first.
+
+    OMP_NUM_THREADS=1 python bench/generate.py --clock cpu --padding --batches 8
+
 ``--clock cpu`` times with process CPU time instead of wall time: on a machine shared with
 other jobs it measures the work done rather than the waiting (use one thread with it), and the
 fastest run is kept: other jobs only ever add CPU time (cache misses, memory bandwidth), so the
@@ -24,12 +31,13 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 from timing import add_clock_option, get_clock, summarize
 from transformers import GPT2LMHeadModel, PreTrainedModel
 
-from mosaics import MosaicsConfig, MosaicsForCausalLM
+from mosaics import MosaicsConfig, MosaicsForCausalLM, modeling_mosaics
 from mosaics.baselines import gpt2_config_like
 
 
@@ -46,10 +54,33 @@ def build_pair(kernel: str, args: argparse.Namespace) -> tuple[PreTrainedModel, 
 
 
 def generate(model: PreTrainedModel, prompt: torch.Tensor, new_tokens: int, sample: bool,
-             use_cache: bool = True) -> torch.Tensor:
+             use_cache: bool = True, mask: torch.Tensor | None = None) -> torch.Tensor:
     torch.manual_seed(1)
     return model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                          do_sample=sample, use_cache=use_cache, pad_token_id=0)
+                          do_sample=sample, use_cache=use_cache, pad_token_id=0,
+                          attention_mask=mask)
+
+
+def padding_cost(model: PreTrainedModel, prompt: torch.Tensor, args: argparse.Namespace,
+                 clock: Callable[[], float]) -> dict[str, float]:
+    """Greedy tokens/s of ``model`` with a mask of ones and the padding check off, a mask of
+    ones, and a left-padded batch, runs alternating (module docstring)."""
+    B, P = prompt.shape
+    ones = torch.ones_like(prompt)
+    left = (torch.arange(P).view(1, P) >= (torch.arange(B) * P // (2 * B)).view(-1, 1)).long()
+    no_check = lambda *a, **k: None  # noqa: E731
+    runs = {"no check": (ones, no_check), "ones": (ones, None), "left-padded": (left, None)}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(args.repeats + 1):  # the first round warms up
+        for name in list(runs) if r % 2 == 0 else list(runs)[::-1]:
+            mask, check = runs[name]
+            with mock.patch.object(modeling_mosaics, "padding_starts",
+                                   check or modeling_mosaics.padding_starts):
+                dt, _ = timed(lambda m=mask: generate(model, prompt, args.new_tokens, False,
+                                                      mask=m), clock)
+            if r:
+                times[name].append(dt)
+    return {name: B * args.new_tokens / summarize(t, clock) for name, t in times.items()}
 
 
 def timed(fn: Callable[[], torch.Tensor], clock: Callable[[], float]) -> tuple[float, torch.Tensor]:
@@ -109,6 +140,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--recompute-repeats", type=int, default=3,
                     help="runs of the use_cache=False comparison (0: skip it)")
+    ap.add_argument("--padding", action="store_true",
+                    help="also time generation with a mask of ones (check on, off) and "
+                         "left-padded")
     add_clock_option(ap)
     args = ap.parse_args()
     clock = get_clock(args.clock)
@@ -117,7 +151,7 @@ def main() -> None:
           f"{args.n_head} heads, vocab {args.vocab}, "
           f"{'fastest' if args.clock == 'cpu' else 'median'} of {args.repeats}")
     gen = torch.Generator().manual_seed(2)
-    speedups = []
+    speedups, padding = [], []
     print(f"\n{'kernel':<14}{'batch':>6}  {'mode':<8}{'MM tok/s':>10}{'GPT-2 tok/s':>13}"
           f"{'MM/GPT-2':>10}")
     for kernel in args.kernels:
@@ -129,9 +163,21 @@ def main() -> None:
                                clock)
                 print(f"{kernel:<14}{batch:>6}  {mode:<8}{rate['mm']:>10.1f}"
                       f"{rate['gpt2']:>13.1f}{rate['mm'] / rate['gpt2']:>10.2f}", flush=True)
+        if args.padding:
+            for batch in args.batches:
+                prompt = torch.randint(1, args.vocab, (batch, args.prompt), generator=gen)
+                padding.append((kernel, batch, padding_cost(mosaics, prompt, args, clock)))
         if args.recompute_repeats > 0:
             prompt = torch.randint(1, args.vocab, (1, args.prompt), generator=gen)
             speedups.append((kernel, *recompute_speedup(mosaics, prompt, args, clock)))
+    if padding:
+        print(f"\n{'kernel':<14}{'batch':>6}{'no check':>10}{'ones':>10}{'left-padded':>13}"
+              f"{'ones/no check':>15}{'padded/no check':>17}   (MM tok/s, greedy)")
+        for kernel, batch, rate in padding:
+            base = rate["no check"]
+            print(f"{kernel:<14}{batch:>6}{base:>10.1f}{rate['ones']:>10.1f}"
+                  f"{rate['left-padded']:>13.1f}{rate['ones'] / base:>15.3f}"
+                  f"{rate['left-padded'] / base:>17.3f}")
     if speedups:
         print(f"\n{'kernel':<14}{'cached tok/s':>13}{'recompute tok/s':>17}{'speedup':>9}"
               f"  same tokens   (batch 1, greedy)")

@@ -20,6 +20,11 @@ bandwidth, short- and long-term memories through per-query intervals, SwiGLU per
 memory, document masking) with the same width, depth, heads and kernel; token 0 separates
 documents, so the random batches hold documents of about ``--vocab`` tokens.
 
+``--padding`` adds the v1 model's step with an ``attention_mask`` of ones (the padding check,
+no padding: the ``mosaics+mask`` row) and with a left-padded batch (row b padded by
+b T / (2 batch) tokens, labels -100 there: ``mosaics+leftpad``), to read against ``mosaics``
+(no mask) in the same run.
+
 ``--clock cpu`` times with process CPU time instead of wall time: on a machine shared with
 other jobs it measures the work done rather than the waiting (use one thread with it).
 """
@@ -77,11 +82,16 @@ def bench(configs: dict[str, MosaicsConfig], batch: int, T: int, steps: int, war
     models = {a: build(a, cfg).train() for a, cfg in (*configs.items(), ("gpt2", first))}
     opts = {a: torch.optim.AdamW(m.parameters(), lr=1e-4) for a, m in models.items()}
     ids = torch.randint(0, first.vocab_size, (batch, T))
+    ones = torch.ones_like(ids)
+    left = (torch.arange(T).view(1, T) >= (torch.arange(batch) * T // (2 * batch)).view(-1, 1))
+    masks = {"mosaics+mask": ones, "mosaics+leftpad": left.long()}
+    labels = {"mosaics+leftpad": ids.masked_fill(~left, -100)}
     times: dict[str, list[float]] = {a: [] for a in models}
     for i in range(warmup + steps):
         for arch, model in models.items():
             t0 = clock()
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss = model(input_ids=ids, labels=labels.get(arch, ids), use_cache=False,
+                         **({"attention_mask": masks[arch]} if arch in masks else {})).loss
             loss.backward()
             opts[arch].step()
             opts[arch].zero_grad(set_to_none=True)
@@ -116,6 +126,8 @@ def main() -> None:
     add_denormal_option(ap)
     ap.add_argument("--v2", action="store_true",
                     help="also measure the Memory Mosaics v2 block (MosaicsConfig.v2)")
+    ap.add_argument("--padding", action="store_true",
+                    help="also measure the v1 step with a mask of ones and left-padded")
     args = ap.parse_args()
     clock = get_clock(args.clock)
     denormals = apply_denormal_option(args)
@@ -126,7 +138,7 @@ def main() -> None:
     print(f"model: {args.n_layer} layers, d {args.n_embd}, {args.n_head} heads, vocab "
           f"{args.vocab}, batch {args.batch}, kernel {args.kernel}, fp32, "
           f"loss_chunk_size {args.loss_chunk_size}, {denormals}\n")
-    header = (f"{'T':>6} {'arch':>10} {'params':>11} {'step ms':>9} {'tok/s':>9} "
+    header = (f"{'T':>6} {'arch':>15} {'params':>11} {'step ms':>9} {'tok/s':>9} "
               f"{'GFLOP/s':>8} {'% peak':>7} {'MM/GPT2':>8}")
     print(header)
     print("-" * len(header))
@@ -135,12 +147,14 @@ def main() -> None:
                      n_embd=args.n_embd, block_size=T, dropout=0.0, kernel=args.kernel,
                      loss_chunk_size=args.loss_chunk_size)
         configs = {"mosaics": MosaicsConfig(**sizes)}
+        if args.padding:
+            configs["mosaics+mask"] = configs["mosaics+leftpad"] = configs["mosaics"]
         if args.v2:
             configs["mosaics-v2"] = MosaicsConfig.v2(**sizes, document_separator_id=0)
         res = bench(configs, args.batch, T, args.steps, args.warmup, clock)
         for arch, r in res.items():
             ratio = r["tok_s"] / res["gpt2"]["tok_s"]
-            print(f"{T:>6} {arch:>10} {r['params']:>11,} {1e3 * r['step_s']:>9.1f} "
+            print(f"{T:>6} {arch:>15} {r['params']:>11,} {1e3 * r['step_s']:>9.1f} "
                   f"{r['tok_s']:>9.0f} {r['flops'] / 1e9:>8.1f} {100 * r['flops'] / peak:>6.1f}% "
                   f"{(f'{ratio:.2f}' if arch != 'gpt2' else ''):>8}")
 

@@ -177,13 +177,13 @@ def padding_starts(attention_mask: Tensor | None, n: int, start: int,
             f"shape {tuple(attention_mask.shape)}")
     first = attention_mask.shape[1] - n  # column of this call's token 0
     real = attention_mask[:, first:] != 0
-    if first > 0:
-        before = attention_mask[:, first - 1:first] != 0
-    elif last_real is not None:
-        before = last_real.view(-1, 1).to(real.device)
+    if first > 0:  # the columns of tokens t - 1
+        previous = attention_mask[:, first - 1:-1] != 0
     else:
-        before = torch.ones_like(real[:, :1])
-    begins = real & ~torch.cat([before, real[:, :-1]], dim=1)
+        before = (torch.ones_like(real[:, :1]) if last_real is None
+                  else last_real.view(-1, 1).to(real.device))
+        previous = torch.cat([before, real[:, :-1]], dim=1)
+    begins = real > previous  # real, after a pad
     if not bool(begins.any()):
         return None
     return real, begins
@@ -289,13 +289,15 @@ class MosaicsModel(MosaicsPreTrainedModel):
         docs = cache.documents if cache is not None else None
         padding = padding_starts(attention_mask, n, start,
                                  None if docs is None else docs.last_real)
+        tracked = cfg.document_masking or padding is not None or docs is not None
         seen = None  # (B,) whether a row had a real token before this call
-        if attention_mask is not None and start > 0:
-            first = attention_mask.shape[1] - n
-            seen = ((attention_mask[:, :first] != 0).any(1) if first > 0
-                    else docs.seen_real if docs is not None and docs.seen_real is not None
-                    else torch.ones(B, dtype=torch.bool, device=attention_mask.device))
+        if tracked:  # (assumed where nothing records it)
+            seen = (docs.seen_real if docs is not None and docs.seen_real is not None
+                    else torch.full((B,), start > 0, dtype=torch.bool, device=device))
         if padding is not None and start > 0:
+            first = attention_mask.shape[1] - n
+            if first > 0:
+                seen = (attention_mask[:, :first] != 0).any(1).to(device)
             real, begins = padding
             after_real = seen.view(B, 1) | (real.long().cumsum(1) - real.long() > 0)
             if bool((begins & after_real).any()) or (docs is None and not cfg.uses_visibility):
@@ -304,7 +306,6 @@ class MosaicsModel(MosaicsPreTrainedModel):
                     "a cache (e.g. a right-padded prompt continued by generate): left-pad the "
                     "prompts (tokenizer.padding_side = 'left'), so that the padding of each "
                     "row comes before its first real token, in the first call")
-        tracked = cfg.document_masking or padding is not None or docs is not None
         if not cfg.uses_visibility and not tracked:
             return None
         gap = cfg.long_term_gap
@@ -362,8 +363,8 @@ class MosaicsModel(MosaicsPreTrainedModel):
                                    if cfg.document_masking and not given else None),
                 last_real=(attention_mask[:, -1].to(device) != 0 if attention_mask is not None
                            else None if docs is None else docs.last_real),
-                seen_real=(None if attention_mask is None else (attention_mask[:, -n:] != 0)
-                           .any(1).to(device) | (False if seen is None else seen.to(device))))
+                seen_real=seen if attention_mask is None
+                else seen | (attention_mask[:, -n:] != 0).any(1).to(device))
         return pos
 
 
