@@ -446,7 +446,7 @@ class _Segments:
 
 class _FusedElu1Attention(torch.autograd.Function):
     """:class:`_CosineFeatureAttention`'s result through the fused Triton scan
-    (:func:`mosaics.ops.linear_attention.fused_forward`, chunks of 64 rows): the elu1 features
+    (:func:`mosaics.ops.linear_attention.fused_forward`, chunks of C rows): the elu1 features
     g = ELU(phi(x)) + 1 (B, H, T, 2M) in PyTorch (one GEMM and elementwise maps), then
     y_t = sum_{s<t} (g_t . g_s) v_s / (sum_{s<t} g_t . g_s + eps) in one pass each way.
     Saves x, v, w1, w2, y and den' (no T x M' tensor): backward recomputes g, gets dg and dv
@@ -454,9 +454,11 @@ class _FusedElu1Attention(torch.autograd.Function):
     frequencies through autograd of the feature map."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, v: Tensor, w1: Tensor, w2: Tensor, eps: float) -> Tensor:
-        y, den = fused_forward(elu1_features(x, w1, w2), None, v, eps)
+    def forward(ctx, x: Tensor, v: Tensor, w1: Tensor, w2: Tensor, eps: float,
+                chunk: int) -> Tensor:
+        y, den = fused_forward(elu1_features(x, w1, w2), None, v, eps, chunk)
         ctx.save_for_backward(x, v, w1, w2, y, den)
+        ctx.chunk = chunk
         return y
 
     @staticmethod
@@ -466,9 +468,9 @@ class _FusedElu1Attention(torch.autograd.Function):
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (x, w1, w2)]
             g = elu1_features(*inputs)
-        dg, _, dv = fused_backward(g.detach(), None, v, y, den, dy)
+        dg, _, dv = fused_backward(g.detach(), None, v, y, den, dy, ctx.chunk)
         dx, dw1, dw2 = torch.autograd.grad(g, inputs, dg)
-        return dx, dv, dw1, dw2, None
+        return dx, dv, dw1, dw2, None, None
 
 
 NO_MEMORY = -1e30  # log-scale of an empty memory (finite, so differences stay defined)
@@ -733,8 +735,12 @@ class FSKAKernel(Kernel):
 
     @torch.compiler.disable  # Triton launches from a module loaded by path: run them eagerly
     def _fused(self, x: Tensor, v: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
-        """The strict-past retrieval through the fused kernels (:class:`_FusedElu1Attention`)."""
-        return _FusedElu1Attention.apply(x.contiguous(), v.contiguous(), w1, w2, self.eps)
+        """The strict-past retrieval through the fused kernels (:class:`_FusedElu1Attention`),
+        in chunks of ``chunk_size`` rows when that is a power of two from 16 to 128 (a
+        ``tl.dot`` side; the per-chunk blocks stay in registers), else of 64."""
+        c = self.chunk_size
+        chunk = c if 16 <= c <= 128 and c & (c - 1) == 0 else 64
+        return _FusedElu1Attention.apply(x.contiguous(), v.contiguous(), w1, w2, self.eps, chunk)
 
     def attend(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                lo: Tensor, hi: Tensor) -> Tensor:
