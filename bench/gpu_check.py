@@ -305,7 +305,7 @@ def kernel_speed(args: argparse.Namespace) -> list[dict[str, Any]]:
                     if name == "gaussian":
                         base = row["ms"]
                     row["vs_gaussian"] = row["ms"] / base if base else None
-                    if isinstance(kernel, EntmaxKernel) and args.device.startswith("cuda"):
+                    if isinstance(kernel, EntmaxKernel):
                         row.update(adasplash_row(kernel, keys, values, beta, args))
                 except Exception as err:  # out of memory at 16k, a kernel without a path...
                     row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -37,20 +39,25 @@ def test_gpu_check_smoke_run_on_cpu(tmp_path: Path) -> None:
     assert {r["kernel"] for r in kernels} == set(available_kernels())
     assert all("error" not in r for r in kernels), [r for r in kernels if "error" in r]
     assert next(r for r in kernels if r["kernel"] == "gaussian")["vs_gaussian"] == 1.0
-    sparse = {r["kernel"]: r for r in kernels
-              if r["kernel"] in ("epanechnikov", "biweight", "triweight", "entmax")}
-    assert len(sparse) == 4  # alpha-entmax kernels say which backend ran, and why
-    assert all(r["backend"] == "chunked" and "cpu" in r["backend_note"] for r in sparse.values())
+    power = {r["kernel"]: r for r in kernels if r["kernel"] in (
+        "epanechnikov", "biweight", "triweight", "entmax", "relumax", "epanechnikov_fixed")}
+    assert len(power) == 6  # each kernel says which path ran, and why not the fused one
+    assert all(r["path"].startswith("chunked") and "MOSAICS_FUSED" in r["path"]
+               for r in power.values()), power
+    assert all("needs CUDA" in r["adasplash"] for k, r in power.items()
+               if k not in ("relumax", "epanechnikov_fixed"))
 
 
-def test_kernels_section_times_both_backends_when_the_fused_one_runs() -> None:
-    """With a fused backend in place (here a dense stand-in for adasplash, on CPU), the
-    alpha-entmax rows time the chunked path too and compare the outputs."""
+def test_kernels_section_reports_fused_paths_and_adasplash(monkeypatch) -> None:
+    """With ``MOSAICS_FUSED=1`` (Triton's interpreter on CPU) the power kernels' rows say
+    ``fused``; with an adasplash stand-in in place (dense alpha-entmax, on CPU) the
+    alpha-entmax rows time it too and compare its outputs with the fused path's."""
     import argparse
     import math
 
     import torch
 
+    pytest.importorskip("triton")
     from mosaics.kernels import adasplash_backend
     from mosaics.kernels.normalizers import entmax
 
@@ -59,18 +66,19 @@ def test_kernels_section_times_both_backends_when_the_fused_one_runs() -> None:
         mask = torch.ones(n, n, dtype=torch.bool).tril()
         return entmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), alpha, mask) @ v
 
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    monkeypatch.setenv("MOSAICS_FUSED", "1")
+    module = load_bench("gpu_check")
     args = argparse.Namespace(device="cpu", kernel_lengths=[40], kernel_heads=2,
-                              kernel_head_size=16, kernel_repeats=1, kernel_warmup=0)
+                              kernel_head_size=16, kernel_repeats=1, kernel_warmup=0,
+                              kernel_dtypes=["fp32"])
     with adasplash_backend.use_backend(dense):
         rows = {r["kernel"]: r for r in module.kernel_speed(args)}
     for name in ("epanechnikov", "biweight", "triweight", "entmax"):
         row = rows[name]
-        assert row["backend"] == "adasplash" and row["chunked_ms"] > 0, row
-        assert row["max_abs_diff"] < 1e-4 and row["adasplash_vs_chunked"] > 0
-    assert "backend" not in rows["relumax"] and "error" not in rows["gaussian"]
+        assert row["path"] == "fused" and row["adasplash_ms"] > 0, row
+        assert row["adasplash_max_abs_diff"] < 1e-4
+    assert rows["relumax"]["path"] == "fused" and "adasplash" not in rows["relumax"]
+    assert rows["gaussian"]["path"] == "sdpa" and "error" not in rows["gaussian"]
 
 
 def test_bank_bound_smoke_run() -> None:
