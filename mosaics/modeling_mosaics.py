@@ -319,7 +319,7 @@ class MosaicsModel(MosaicsPreTrainedModel):
         if not tracked:
             return pos
         first = torch.ones(B, dtype=torch.bool, device=device)  # token 0 starts one
-        given = document_ids is not None
+        given = document_ids is not None and cfg.document_masking
         if given:
             document_ids = document_ids.to(device)
             prev = None if docs is None else docs.last_id_given
