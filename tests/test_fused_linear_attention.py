@@ -38,7 +38,7 @@ def _leaves(xs):
     return [x for x in xs if x is not None]
 
 
-def _check(low, ref, chunk, dtype, eps=1e-20):
+def _check(low, ref, chunk, dtype, eps=1e-20, tol=None):
     y = causal_linear_attention(*low, eps=eps, chunk=chunk)
     assert y.dtype == dtype and y.shape == low[2].shape
     y_ref = causal_linear_attention_reference(*ref, eps=eps)
@@ -48,8 +48,8 @@ def _check(low, ref, chunk, dtype, eps=1e-20):
     grads_ref = torch.autograd.grad(y_ref, _leaves(ref), dy)
     # relative to each tensor's largest entry; bf16 gradients cancel (dn . (v_s - y_t)) in
     # sums of rounded products: up to 3.4e-2 seen on the tiny case (5 rows, 3 features)
-    tol = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 5e-3),
-           torch.bfloat16: (1e-2, 6e-2)}[dtype]
+    tol = tol or {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 5e-3),
+                  torch.bfloat16: (1e-2, 6e-2)}[dtype]
     for i, (got, want) in enumerate(zip((y, *grads), (y_ref, *grads_ref), strict=True)):
         assert got.dtype == dtype
         scale = want.abs().max().item()
@@ -149,17 +149,20 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,tf32", [(torch.float32, False), (torch.float32, True),
+                                        (torch.bfloat16, False)])
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("T,F,D", [(1000, 192, 64), (777, 70, 40)])
-def test_compiled_kernels_on_cuda(dtype, shared, T, F, D):
-    """The compiled kernels (the GPU's own tile layouts, pipelining, fp32 as IEEE products
-    unless TF32 is allowed) against the float64 reference."""
+def test_compiled_kernels_on_cuda(monkeypatch, dtype, tf32, shared, T, F, D):
+    """The compiled kernels (the GPU's own tile layouts and pipelining; fp32 as IEEE products,
+    or TF32 where PyTorch allows it) against the float64 reference."""
+    monkeypatch.delenv("MOSAICS_FUSED", raising=False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
     assert triton_backend.fused_reason(torch.zeros(1, device="cuda")) is None
     low, ref = _inputs(2, 3, T, F, D, dtype, shared)
     low = [None if x is None else x.detach().cuda().requires_grad_() for x in low]
     ref = [None if x is None else x.detach().cuda().requires_grad_() for x in ref]
-    _check(low, ref, 64, dtype)
+    _check(low, ref, 64, dtype, tol=(1e-2, 5e-2) if tf32 else None)
 
 
 @pytest.mark.cuda
@@ -167,6 +170,7 @@ def test_compiled_kernels_on_cuda(dtype, shared, T, F, D):
 def test_fska_fused_path_on_cuda(monkeypatch):
     """FSKA on CUDA (the default switch takes the fused path) against MOSAICS_FUSED=0, at the
     default 96 frequency pairs (192 features) and head size 64."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     torch.manual_seed(0)
     kernel = get_kernel("fska", flow_hidden=16)
     kernel.build(4, 64)
