@@ -87,6 +87,18 @@ def test_row_without_memory_is_zero(fused):
     _check(*_inputs(1, 1, 19, 6, 5, torch.float32, True, seed=2), 16, torch.float32, eps=0.0)
 
 
+@pytest.mark.parametrize("T,F,D", [(0, 5, 3), (7, 0, 3), (7, 5, 0)])
+def test_empty_sizes(fused, T, F, D):
+    """No rows, features or value columns: nothing is launched; y = 0 (no weight), and the
+    gradients have the inputs' shapes."""
+    q = torch.rand(1, 2, T, F, requires_grad=True)
+    v = torch.randn(1, 2, T, D, requires_grad=True)
+    y = causal_linear_attention(q, None, v, chunk=16)
+    assert torch.equal(y, causal_linear_attention_reference(q, None, v))
+    y.sum().backward()
+    assert q.grad.shape == q.shape and v.grad.shape == v.shape
+
+
 def test_chunked_pytorch_form_without_the_switch(monkeypatch):
     """MOSAICS_FUSED=0 (and float64, which the kernels do not take): the same chunks in
     PyTorch, equal to the dense reference."""

@@ -107,6 +107,8 @@ def fused_forward(q: Tensor, k: Tensor | None, v: Tensor, eps: float,
     autograd Function, as FSKA's)."""
     B, H, T, F = q.shape
     D = v.shape[-1]
+    if q.numel() == 0 or v.numel() == 0:  # nothing to launch (a grid may not be empty)
+        return torch.zeros_like(v), q.new_full((B, H, T), eps, dtype=torch.float32)
     mod = triton_module(KERNEL_FILE, q.device)
     dots = _dot_args(q.dtype, q.device)
     kk = q if k is None else k
@@ -129,6 +131,8 @@ def fused_backward(q: Tensor, k: Tensor | None, v: Tensor, y: Tensor, den: Tenso
     B, H, T, F = q.shape
     D = v.shape[-1]
     BH = B * H
+    if q.numel() == 0 or v.numel() == 0:  # y = 0 whatever the inputs
+        return torch.zeros_like(q), None if k is None else torch.zeros_like(k), torch.zeros_like(v)
     mod = triton_module(KERNEL_FILE, q.device)
     dots = _dot_args(q.dtype, q.device)
     kk = q if k is None else k
