@@ -71,14 +71,6 @@ def _any_positive(u):
 
 
 @triton.jit
-def _row_bias(BIAS, offsets, row_ok, HAS_BIAS: tl.constexpr):
-    """The rows' bias slopes, or zeros without a bias (BIAS is then never read)."""
-    if HAS_BIAS:
-        return tl.load(BIAS + offsets, mask=row_ok, other=0.0)
-    return tl.zeros(offsets.shape, tl.float32)
-
-
-@triton.jit
 def _biased(c, bias, t, j, HAS_BIAS: tl.constexpr):
     """c - bias_i (t_i - j): a linear position bias (ALiBi) on the cosines."""
     if HAS_BIAS:
@@ -112,7 +104,7 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG,
     lo = tl.maximum(lo, 0)
     hi = tl.minimum(hi, S - 1)
     a = tl.load(A + bh * n + rows, mask=row_ok, other=0.0)
-    bias = _row_bias(BIAS, bh * n + rows, row_ok, HAS_BIAS)
+    bias = tl.load(BIAS + bh * n + rows, mask=row_ok, other=0.0)  # read if HAS_BIAS
     t = rows + pos0
     start = (tl.min(tl.where(row_ok & (hi >= lo), lo, S), axis=0) // BLOCK_N) * BLOCK_N
     end = tl.max(tl.where(row_ok, hi, -1), axis=0) + 1
@@ -217,7 +209,7 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
     m = tl.load(M + stat, mask=row_ok, other=0.0)
     shift = tl.load(SHIFT + stat, mask=row_ok, other=0.0)
     kappa = tl.load(KAPPA + stat, mask=row_ok, other=0.0)
-    bias = _row_bias(BIAS, stat, row_ok, HAS_BIAS)
+    bias = tl.load(BIAS + stat, mask=row_ok, other=0.0)
     t = rows + pos0
     start = (tl.min(tl.where(row_ok & (hi >= lo), lo, S), axis=0) // BLOCK_N) * BLOCK_N
     end = tl.max(tl.where(row_ok, hi, -1), axis=0) + 1
@@ -312,7 +304,7 @@ def _power_bwd_dkv(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, INV, QB_FIRS
         kappa = tl.load(KAPPA + stat, mask=row_ok, other=0.0)
         cc = tl.load(C + stat, mask=row_ok, other=0.0)
         inv = tl.load(INV + stat, mask=row_ok, other=0.0)
-        bias = _row_bias(BIAS, stat, row_ok, HAS_BIAS)
+        bias = tl.load(BIAS + stat, mask=row_ok, other=0.0)
         cs = _biased(_dot(q, tl.trans(k), IEEE), bias, rows + pos0, j, HAS_BIAS)
         vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None]) & j_ok[None, :]
         u = tl.where(vis, tl.maximum(a[:, None] * (cs - m[:, None]) - shift[:, None], 0.0), 0.0)
