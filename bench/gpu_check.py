@@ -350,7 +350,7 @@ def deepspeed_settings(args: argparse.Namespace) -> list[str]:
     half = args.ds_steps // 2
     return [*size, f"max_steps={args.ds_steps}", f"warmup_steps={max(1, args.ds_steps // 10)}",
             f"eval_interval={half}", "log_interval=1", "progress_bar=false",
-            "sample_tokens=0", "save_final=false", "log_with=none", "keep_checkpoints=1",
+            "sample_tokens=0", "save_final=false", "log_with=none", "keep_checkpoints=2",
             f"compile={str(args.ds_compile).lower()}",
             "mixed_precision=bf16" if args.device.startswith("cuda") else "mixed_precision=no"]
 
@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
                    default=["eager", "compiled"], help="throughput: eager and/or both models "
                    "torch.compile'd")
     p.add_argument("--compile-backend", help="throughput: torch.compile backend (default "
-                   "inductor; aot_eager with --quick)")
+                   "inductor; eager, dynamo alone, with --quick)")
     p.add_argument("--kernel-dtypes", nargs="+", choices=list(KERNEL_DTYPES),
                    help="kernels: input dtypes (default fp32 bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--kernel-lengths", type=int, nargs="+", help="kernels: sequence lengths "
@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     args.n_layer, args.n_embd, args.n_head = (12, 768, 12) if big else (2, 64, 2)
     args.vocab = 50304 if big else 512
     args.lengths = args.lengths or ([512, 2048, 8192] if big else [64])
-    args.compile_backend = args.compile_backend or ("inductor" if big else "aot_eager")
+    args.compile_backend = args.compile_backend or ("inductor" if big else "eager")
     args.tokens_per_step = 16384 if big else 256
     args.steps, args.warmup = (10, 3) if big else (2, 1)
     args.kernel_lengths = args.kernel_lengths or ([1024, 4096, 16384] if big else [64, 128])

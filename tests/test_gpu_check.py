@@ -33,8 +33,11 @@ def test_gpu_check_smoke_run_on_cpu(tmp_path: Path) -> None:
     assert code == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["device"] == "cpu" and report["quick"] is True
-    assert {r["model"] for r in report["throughput"]} == {"mosaics", "gpt2"}
-    assert all(r["tok_s"] > 0 for r in report["throughput"])
+    rows = report["throughput"]
+    assert {(r["model"], r["mode"]) for r in rows} == {(m, c) for m in ("mosaics", "gpt2")
+                                                       for c in ("eager", "compiled")}
+    assert all(r["tok_s"] > 0 and 0 < r["mfu"] < 1 and r["flops_per_token"] > 0 for r in rows)
+    assert json.loads((tmp_path / "throughput_rows.json").read_text()) == rows
     kernels = [r for r in report["kernels"] if r["T"] == 64]
     assert {r["kernel"] for r in kernels} == set(available_kernels())
     assert all("error" not in r for r in kernels), [r for r in kernels if "error" in r]
@@ -46,6 +49,18 @@ def test_gpu_check_smoke_run_on_cpu(tmp_path: Path) -> None:
                for r in power.values()), power
     assert all("needs CUDA" in r["adasplash"] for k, r in power.items()
                if k not in ("relumax", "epanechnikov_fixed"))
+
+
+def test_a_section_past_its_limit_is_stopped_and_the_next_one_runs(tmp_path: Path) -> None:
+    """Each section runs in its own process under its time limit: one that overruns is
+    stopped and recorded, and the sections after it still run."""
+    module = load_bench("gpu_check")
+    code = module.main(["--device", "cpu", "--quick", "--sections", "deepspeed", "tests",
+                        "--budget", "deepspeed=2", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert code == 1 and report["deepspeed"]["timed_out"] and report["budgets_s"]["deepspeed"] == 2
+    assert report["deepspeed_seconds"] < 30
+    assert report["tests"]["returncode"] in (0, 5)  # CUDA tests: skipped or deselected here
 
 
 def test_kernels_section_reports_fused_paths_and_adasplash(monkeypatch) -> None:
