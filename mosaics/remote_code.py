@@ -14,7 +14,7 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 TOP_LEVEL = ["configuration_mosaics.py", "modeling_mosaics.py", "memory.py", "positions.py",
-             "cache.py", "remote_code.py"]
+             "cache.py", "compilation.py", "remote_code.py"]
 SUBPACKAGES = ["kernels", "ops"]
 
 
