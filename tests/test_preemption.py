@@ -226,28 +226,22 @@ def _check_first_steps(run_dir: Path, reference: dict, tol: float, context: obje
             assert resumed[key] == pytest.approx(value, abs=tol, rel=0), (context, key)
 
 
-@pytest.mark.parametrize("sig, target", [(signal.SIGTERM, "launcher"),
-                                         (signal.SIGUSR1, "group")])
-def test_launcher_returns_75_after_the_ranks_checkpoint_and_resumes(reference, sig,
-                                                                    target) -> None:
-    """SIGTERM to ``train.py --nproc 2`` (a pod's PID 1, a wrapper script) or SIGUSR1 to its
-    process group (Ctrl-C, ``kill -- -PGID``): the launcher passes it to both ranks once, waits
-    for their checkpoint and exits 75 itself; the same command then resumes at once."""
-    base, settings, expected = reference
-    run_dir = base / f"launcher_{sig.name}"
-    cmd = _launch_cmd(settings, run_dir)
-    log = run_dir.parent / f"{run_dir.name}.log"
+def _stop_launcher(cmd: list[str], run_dir: Path, sig: int, group: bool, after: int
+                   ) -> tuple[int, str, list[int]]:
+    """Start ``cmd`` (``--nproc 2``); once ``after`` steps are logged send ``sig`` to the
+    launcher or to its process group; return its status, its output and its ranks' PIDs."""
+    log = run_dir.parent / f"{run_dir.name}-{signal.Signals(sig).name}.log"
     with open(log, "w") as handle:
         proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=handle,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 400
-        while _logged_steps(run_dir) < 20:
+        while _logged_steps(run_dir) < after:
             assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
             time.sleep(0.02)
         ranks = _children(proc.pid)
         assert len(ranks) == 2
-        if target == "group":
+        if group:
             os.killpg(proc.pid, sig)
         else:
             os.kill(proc.pid, sig)
@@ -255,17 +249,44 @@ def test_launcher_returns_75_after_the_ranks_checkpoint_and_resumes(reference, s
     except BaseException:
         _kill_group(proc)
         raise
-    out = log.read_text()
+    return code, log.read_text(), ranks
+
+
+def _check_launcher_stop(run_dir: Path, code: int, out: str, ranks: list[int], name: str
+                         ) -> int:
+    """Status 75 after both ranks exited, one stop message, the newest checkpoint complete
+    with both ranks' states, the lock free; returns the checkpoint's step."""
     assert code == EXIT_PREEMPTED, out[-3000:]
     assert _alive(ranks) == []  # it returned after its ranks, not before
-    step = _check_stopped(run_dir, 2)
-    assert out.count(f"stopped by {sig.name} at step {step}") == 1, out[-3000:]
+    step, path = ckpt.list_checkpoints(run_dir)[-1]
+    assert ckpt.verify(path) is None
+    assert {"rank_0.json", "rank_1.json"} <= {p.name for p in path.iterdir()}
+    assert out.count(f"stopped by {name} at step {step}") == 1, out[-3000:]
     assert "Traceback" not in out and "exiting now" not in out  # one signal, delivered once
     assert not (run_dir / ".lock").exists()
+    return step
+
+
+def test_launcher_returns_75_after_the_ranks_checkpoint_and_resumes(reference) -> None:
+    """SIGTERM to ``train.py --nproc 2`` (a pod's PID 1, a wrapper script), then SIGUSR1 to the
+    process group of the same command run again (``kill -- -PGID``, like Ctrl-C's SIGINT): each
+    time the launcher passes the signal to both ranks once, waits for their checkpoint and
+    exits 75 itself; the same command then resumes at once, and the third run ends with the
+    uninterrupted run's losses."""
+    base, settings, expected = reference
+    run_dir = base / "launcher"
+    cmd = _launch_cmd(settings, run_dir)
+    code, out, ranks = _stop_launcher(cmd, run_dir, signal.SIGTERM, group=False, after=15)
+    first = _check_launcher_stop(run_dir, code, out, ranks, "SIGTERM")
+    assert 15 <= first < SHORT - 10
+    code, out, ranks = _stop_launcher(cmd, run_dir, signal.SIGUSR1, group=True, after=first + 5)
+    assert f"resumed from {ckpt.checkpoint_root(run_dir) / ckpt.step_dir_name(first)}" in out
+    second = _check_launcher_stop(run_dir, code, out, ranks, "SIGUSR1")
+    assert first < second < SHORT
     again = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True,
                            timeout=400)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"at step {step}" in again.stderr, again.stderr[-3000:]
+    assert f"at step {second}" in again.stderr, again.stderr[-3000:]
     _check_first_steps(run_dir, expected, 1e-4)
 
 
@@ -304,7 +325,7 @@ def test_ranks_of_a_torchrun_killed_by_sigusr1_checkpoint_and_free_the_lock(refe
 
 @pytest.mark.slow
 def test_sigkills_at_random_steps_end_with_the_uninterrupted_losses(reference) -> None:
-    """Soak: SIGKILL the same command at 5 random steps (mid-step, mid-save, mid-resume), run it
+    """Soak: SIGKILL the same command at 4 random steps (mid-step, mid-save, mid-resume), run it
     again each time, and once more to the end: the losses are the uninterrupted run's."""
     import random
 
@@ -314,7 +335,7 @@ def test_sigkills_at_random_steps_end_with_the_uninterrupted_losses(reference) -
            *(f"{k}={v}" for k, v in dict(settings, **SHORTER).items()), f"run_dir={run_dir}",
            "checkpoint_interval=7"]
     seed = int(time.time())
-    kills = sorted(random.Random(seed).sample(range(3, SHORT - 3), 5))
+    kills = sorted(random.Random(seed).sample(range(3, SHORT - 3), 4))
     for target in kills:
         proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)

@@ -6,8 +6,9 @@ launcher starts N processes of ``mosaics train`` with the variables accelerate r
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), each in its own session, and:
 
 * passes the first SIGTERM, SIGUSR1, SIGINT or SIGHUP it receives (from a scheduler, a process
-  group kill, Ctrl-C) to every rank once, then waits for all of them: the ranks finish their
-  step, write one checkpoint together and exit 75, and so does the launcher, after them;
+  group kill, Ctrl-C) to every rank once (SIGINT and SIGHUP as SIGTERM), then waits for all of
+  them: the ranks finish their step, write one checkpoint together and exit 75, and so does
+  the launcher, after them;
 * kills the ranks (SIGKILL) on a second signal and exits with 128 + its number;
 * when a rank fails (a status other than 0 and 75), gives the others :data:`FAILURE_GRACE_S`
   to end on their own (a bad config stops every rank with the same one-line error), then kills
@@ -131,9 +132,12 @@ class Launcher:
         name = signal.Signals(signum).name
         if self.signalled is None:
             self.signalled = name
-            self._say(f"{name}: passed to the {self.nproc} ranks; waiting for them to finish "
-                      f"the step and write a checkpoint (send it again to kill them at once)")
-            self._send(signum)
+            # Ctrl-C and a closed terminal stop the ranks like a scheduler does
+            passed = signum if signum in (signal.SIGTERM, signal.SIGUSR1) else signal.SIGTERM
+            self._say(f"{name}: passed to the {self.nproc} ranks as "
+                      f"{signal.Signals(passed).name}; waiting for them to finish the step and "
+                      "write a checkpoint (send it again to kill them at once)")
+            self._send(passed)
             return
         self._say(f"{name} after {self.signalled}: killing the ranks, no checkpoint")
         self.killed_by = signum
