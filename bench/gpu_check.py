@@ -138,7 +138,8 @@ def measure_pair(T: int, mode: str, args: argparse.Namespace) -> list[dict[str, 
     params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=args.device != "cpu")
             for k, m in models.items()}
-    calls = {k: torch.compile(m) if mode == "compiled" else m for k, m in models.items()}
+    calls = {k: torch.compile(m, backend=args.compile_backend) if mode == "compiled" else m
+             for k, m in models.items()}
     peak_flops = device_peak(torch.device(args.device), args.precision)[0]
     ids = torch.randint(0, args.vocab, (batch, T), device=args.device)
     times: dict[str, list[float]] = {k: [] for k in models}
