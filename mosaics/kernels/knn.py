@@ -14,6 +14,12 @@ lie in the blocks whose max reaches that bound (about k of them), and a top-k ov
 blocks alone gives them. Everything after that works on the k selected entries per row
 (gathers of k key / value rows and scatter-adds), and the backward needs no score matrix.
 
+On CUDA (or with ``MOSAICS_FUSED=1``) the training / prompt retrieval and
+:meth:`~_KNNKernel.attend` with one bandwidth per head take the fused Triton kernels of
+:func:`mosaics.ops.knn_attention.knn_attention` instead (ties at the k-th score go to the
+lowest columns there); float64 and k above ``MAX_K`` (below the memory length) stay here.
+Decoding one row keeps :func:`~.base.decode_row`.
+
 Short memories (:class:`_DenseTopKRetrieval`: at most ``dense_keys_per_k`` x k keys and
 ``chunk_elements`` scores in all): the whole score matrix, one top-k per row, the weights
 scattered into a dense (n, S) matrix and every product a batched GEMM. A gathered or
@@ -31,9 +37,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .base import register_kernel
+from ..ops.knn_attention import knn_attention, knn_unsupported
+from ..ops.triton_backend import fused_expected, fused_reason, note_path
+from .base import check_attend_args, register_kernel
 from .normalizers import BLOCK, block_max, entmax_backward, shifted_scores, work_dtype
-from .score_kernel import ScoreKernel, _flat_rows, _Tiles, check_positive_int
+from .score_kernel import ScoreKernel, _flat_rows, _needs_grad, _Tiles, check_positive_int
 
 
 def top_k_support(x: Tensor, k: int) -> Tensor:
@@ -63,6 +71,7 @@ def top_k_blocks(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 class _KNNKernel(ScoreKernel):
     dense_keys_per_k: float = 6.0  # the dense form up to this many keys per selected entry
+    uniform: bool = False  # the 1 / count weights (uniform_knn) instead of the softmax
 
     def __init__(self, k: int = 16) -> None:
         super().__init__()
@@ -72,8 +81,35 @@ class _KNNKernel(ScoreKernel):
         """(..., k) weights of the selected entries from their cosines (-inf: none)."""
         raise NotImplementedError
 
+    def fused(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor, offset: int = 0,
+              lo: Tensor | None = None, hi: Tensor | None = None) -> Tensor | None:
+        """:func:`~mosaics.ops.knn_attention.knn_attention` (Triton) where the switch and the
+        inputs allow it, else None (the chunked path); the path taken goes to ``note_path``."""
+        reason = fused_reason(queries, keys, values)
+        if reason is None:
+            reason = knn_unsupported(queries, keys, values, self.k)
+        note_path(self.name, reason, expected=fused_expected(queries))
+        if reason is not None:
+            return None
+        return knn_attention(queries, keys, values, beta, offset, self.k, self.uniform, lo, hi)
+
+    def attend(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
+               lo: Tensor, hi: Tensor) -> Tensor:
+        """:meth:`ScoreKernel.attend`, with the intervals lo[i] <= j <= hi[i] and one bandwidth
+        per head going to the fused kernels where they run (:meth:`fused`)."""
+        check_attend_args(queries, keys, values, beta, lo, hi)
+        decoding = queries.shape[2] == 1 and not _needs_grad(queries, keys, values, beta)
+        if beta.dim() == 1 and not decoding:
+            y = self.fused(queries, keys, values, beta, lo=lo, hi=hi)
+            if y is not None:
+                return y
+        return super().attend(queries, keys, values, beta, lo, hi)
+
     def retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                   offset: int) -> Tensor:
+        y = self.fused(queries, keys, values, beta, offset)
+        if y is not None:
+            return y
         B, H, n, _ = queries.shape
         S = keys.shape[2]
         dense_ok = self.dense_keys_per_k * self.k >= S
@@ -111,6 +147,8 @@ class GaussianKNNKernel(_KNNKernel):
 @register_kernel("uniform_knn")
 class UniformKNNKernel(_KNNKernel):
     """Uniform weights 1 / min(k, t) on the k best-scoring memory entries."""
+
+    uniform = True
 
     def score_weights(self, z: Tensor, mask: Tensor) -> Tensor:
         support = top_k_support(shifted_scores(z, mask), self.k).to(z.dtype)

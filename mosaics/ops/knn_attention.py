@@ -31,6 +31,11 @@ _KERNELS = Path(__file__).parent / "triton_kernels" / "knn_attention.py"
 MAX_K = 128  # the largest k with a top-k tile (k >= the key count needs none)
 MAX_HEAD = 256  # the largest head size (queries / keys and values)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INTERPRETED_BLOCK = 64  # tiles under the interpreter (CPU tensors)
+# Triton's own bitonic top-k (tl.topk, tl.bitonic_merge) on CUDA; under the interpreter, where
+# its integer reductions run element by element, the same network from min / max
+# (which the compiler in turn handles badly). True also runs Triton's under the interpreter.
+LIBRARY_SORT_ON_CPU = False
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -85,9 +90,10 @@ def _config(q: Tensor, k_top: int, S: int) -> dict:
     recompute the forward's scores bit for bit, so it uses the same tiles)."""
     select_all = k_top >= S
     k_pad = 16 if select_all else _pow2(k_top, 16)
-    base = 64 if q.is_cuda else 32
+    base = 64 if q.is_cuda else _INTERPRETED_BLOCK
     return {"BLOCK_M": base if k_pad <= 64 else 32, "BLOCK_N": max(base, k_pad), "K_PAD": k_pad,
-            "SELECT_ALL": select_all,
+            "SELECT_ALL": select_all, "LOG_K": k_pad.bit_length() - 1,
+            "LIBRARY_SORT": q.is_cuda or LIBRARY_SORT_ON_CPU,
             "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
 
 
@@ -113,7 +119,8 @@ class _KNNAttention(torch.autograd.Function):
             mod._knn_fwd[grid](
                 q, k, v, b32, lo32, hi32, out, stats, jt, n, S, H, hs, hv, int(offset),
                 k_top, lo_stride, HS_PAD=_pow2(hs, 16), HV_PAD=_pow2(hv, 16),
-                UNIFORM=bool(uniform), HAS_BOUNDS=bounds, **cfg)
+                UNIFORM=bool(uniform), HAS_BOUNDS=bounds,
+                LOG_N=cfg["BLOCK_N"].bit_length() - 1, **cfg)
         ctx.save_for_backward(q, k, v, beta, out, stats, jt, lo32, hi32)
         ctx.args = (int(offset), k_top, bool(uniform), bounds, lo_stride)
         return out
@@ -127,8 +134,8 @@ class _KNNAttention(torch.autograd.Function):
         S, hv = k.shape[2], v.shape[3]
         mod = triton_module(_KERNELS, q.device)
         cfg = _config(q, k_top, S)
-        cfg.pop("K_PAD")
-        cfg.pop("SELECT_ALL")
+        for key in ("K_PAD", "SELECT_ALL", "LOG_K", "LIBRARY_SORT"):
+            cfg.pop(key)
         pads = {"HS_PAD": _pow2(hs, 16), "HV_PAD": _pow2(hv, 16)}
         g = grad_out.to(v.dtype).contiguous()
         b32 = beta.detach().to(torch.float32).contiguous()

@@ -46,12 +46,70 @@ def _scores(q, K, k_off, cols, S, HS, dk, PRECISION: tl.constexpr):
     return tl.dot(q, tl.trans(kt), input_precision=PRECISION), kt
 
 
+@triton.constexpr_function
+def _pow2(x: int, e: int) -> int:
+    """x 2^e for a whole power-of-two result (e may be negative): a constexpr shape."""
+    return x << e if e >= 0 else x >> -e
+
+
+@triton.jit
+def _merge(x, ROWS: tl.constexpr, N: tl.constexpr, LOG: tl.constexpr, FLIP: tl.constexpr,
+           DESC: tl.constexpr):
+    """Bitonic half-cleaners at distances D = 2^(LOG-1)..1 on x (ROWS, N): each pair of columns
+    (c, c + D) in a block of 2D is put in descending order when DESC, ascending otherwise, the
+    other way round where c // FLIP is odd (FLIP 0: never; FLIP < N). This sorts each bitonic
+    run of 2^LOG columns. Pairs are split off a reshaped axis of 2 and ordered by min / max
+    (plain elementwise ops, also fast under the interpreter)."""
+    for jj in tl.static_range(LOG):  # distance D = 2^(LOG - 1 - jj)
+        a, b = tl.split(tl.permute(tl.reshape(
+            x, [_pow2(ROWS * N, -LOG + jj), 2, _pow2(1, LOG - 1 - jj)]), [0, 2, 1]))
+        lo = tl.minimum(a, b)
+        hi = tl.maximum(a, b)
+        if FLIP > 0:
+            blk = tl.arange(0, _pow2(ROWS * N, -LOG + jj))[:, None]
+            odd = ((blk // _pow2(FLIP, -LOG + jj)) % 2) == 1
+            if DESC:
+                first, second = tl.where(odd, lo, hi), tl.where(odd, hi, lo)
+            else:
+                first, second = tl.where(odd, hi, lo), tl.where(odd, lo, hi)
+        else:
+            if DESC:
+                first, second = hi, lo
+            else:
+                first, second = lo, hi
+        x = tl.reshape(tl.permute(tl.join(first, second), [0, 2, 1]), [ROWS, N])
+    return x
+
+
+@triton.jit
+def _top_ascending(s, ROWS: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                   LOG_N: tl.constexpr, LOG_K: tl.constexpr):
+    """The K largest entries of each row of s (ROWS, N), in ascending order (bitonic top-k):
+    sort runs of K columns in alternating directions, then halve: the elementwise max of a
+    descending and an ascending run is a bitonic run holding the K largest of both, sorted
+    again, until one run is left."""
+    x = s
+    for i in tl.static_range(1, LOG_K + 1):
+        if i < LOG_N:
+            x = _merge(x, ROWS, N, i, _pow2(1, i), True)
+        else:  # K = N: the last stage sorts the whole row, ascending
+            x = _merge(x, ROWS, N, i, 0, False)
+    for r in tl.static_range(1, LOG_N - LOG_K + 1):
+        x = tl.reshape(tl.max(tl.reshape(x, [ROWS * (N >> r) // K, 2, K]), 1), [ROWS, N >> r])
+        if r < LOG_N - LOG_K:
+            x = _merge(x, ROWS, N >> r, LOG_K, K, True)
+        else:
+            x = _merge(x, ROWS, N >> r, LOG_K, 0, False)
+    return x
+
+
 @triton.jit
 def _knn_fwd(Q, K, V, BETA, LO, HI, OUT, STATS, JT,
              n, S, H, HS, HV, offset, k_top, lo_stride,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr,
              HS_PAD: tl.constexpr, HV_PAD: tl.constexpr, UNIFORM: tl.constexpr,
-             SELECT_ALL: tl.constexpr, HAS_BOUNDS: tl.constexpr, PRECISION: tl.constexpr):
+             SELECT_ALL: tl.constexpr, HAS_BOUNDS: tl.constexpr, PRECISION: tl.constexpr,
+             LOG_N: tl.constexpr, LOG_K: tl.constexpr, LIBRARY_SORT: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     beta = tl.load(BETA + bh % H)
@@ -82,8 +140,12 @@ def _knn_fwd(Q, K, V, BETA, LO, HI, OUT, STATS, JT,
             s = tl.where(vis, s, -inf)
             kth = tl.max(tl.where(kcol == k_top - 1, run, -inf), 1)
             if tl.max(tl.max((s > kth[:, None]).to(tl.int32), 1), 0) > 0:
-                top = tl.topk(s, K_PAD)
-                run = tl.bitonic_merge(tl.maximum(run, tl.flip(top, 1)), descending=True)
+                if LIBRARY_SORT:  # Triton's bitonic top-k and merge (compiled)
+                    top = tl.flip(tl.topk(s, K_PAD), 1)
+                    run = tl.bitonic_merge(tl.maximum(run, top), descending=True)
+                else:  # the same network from min / max (interpreted)
+                    top = _top_ascending(s, BLOCK_M, BLOCK_N, K_PAD, LOG_N, LOG_K)
+                    run = _merge(tl.maximum(run, top), BLOCK_M, K_PAD, LOG_K, 0, True)
         tau = tl.max(tl.where(kcol == k_top - 1, run, -inf), 1)
         need = tl.sum(((kcol < k_top) & (run == tau[:, None])).to(tl.int32), 1)
 
@@ -113,7 +175,7 @@ def _knn_fwd(Q, K, V, BETA, LO, HI, OUT, STATS, JT,
             m_new = tl.maximum(m_i, tl.max(tl.where(sel, s, -inf), 1))
             m_safe = tl.where(m_new == -inf, 0.0, m_new)
             alpha = tl.exp(beta * (m_i - m_safe))
-            p = tl.where(sel, tl.exp(beta * (s - m_safe[:, None])), 0.0)
+            p = tl.where(sel, tl.exp(beta * tl.where(sel, s - m_safe[:, None], 0.0)), 0.0)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
             m_i = m_new
@@ -137,7 +199,8 @@ def _weights(s, cols, lo, hi, m, l, tau, jt, beta, UNIFORM: tl.constexpr):
         p = tl.where(sel, inv[:, None], 0.0)
     else:
         m_safe = tl.where(m == -float("inf"), 0.0, m)
-        p = tl.where(sel, tl.exp(beta * (s - m_safe[:, None])) * inv[:, None], 0.0)
+        e = tl.exp(beta * tl.where(sel, s - m_safe[:, None], 0.0))  # no overflow off the support
+        p = tl.where(sel, e * inv[:, None], 0.0)
     return sel, p
 
 
