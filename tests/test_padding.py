@@ -219,3 +219,22 @@ def test_text_generation_pipeline_batches_prompts_of_different_lengths():
     assert batched == one
     first = masks[0]  # the prompt call: four rows, left-padded
     assert first.shape[0] == 4 and not first[:, 0].all() and first[:, -1].all()
+
+
+def test_gaussian_decoding_step_with_an_interval_per_row():
+    """The Gaussian kernel's one-query retrieval with a different interval per batch row (a
+    left-padded batch decoding) against the base class's row-by-row forward."""
+    from mosaics.kernels import get_kernel
+    from mosaics.kernels.base import Kernel
+
+    kernel = get_kernel("gaussian")
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (F.normalize(torch.randn(4, 3, n, 8, generator=g, dtype=torch.float64), dim=-1)
+               for n in (1, 12, 12))
+    beta = torch.tensor([1.0, 5.0, 20.0], dtype=torch.float64)
+    lo = torch.tensor([[0], [3], [11], [7]])
+    hi = torch.tensor([[11], [11], [10], [11]])  # row 2 sees nothing
+    got = kernel.attend(q, k, v, beta, lo, hi)
+    torch.testing.assert_close(got, Kernel.attend(kernel, q, k, v, beta, lo, hi),
+                               atol=1e-12, rtol=1e-10)
+    assert not got[2].any()

@@ -112,6 +112,8 @@ class GaussianKernel(Kernel):
             if b <= a:
                 return values.new_zeros(B, H, 1, values.shape[-1])
             return decode_softmax(queries, keys[:, :, a:b], values[:, :, a:b], scale)
+        if n == 1 and drop == 0.0:  # decoding, an interval per row (e.g. left padding)
+            return decode_softmax_rows(queries, keys, values, scale, lo, hi)
         plan = attend_plan(lo, hi, keys.shape[2], B * H, self.chunk_elements)
         if drop == 0.0:
             y = interval_attention(queries * scale, keys, values, lo, hi, plan)
@@ -167,6 +169,26 @@ def decode_softmax(query: Tensor, keys: Tensor, values: Tensor, beta: Tensor) ->
     scores = torch.bmm(batched_rows(q), batched_rows(work_precision(keys)).transpose(1, 2))
     y = torch.bmm(torch.softmax(scores, dim=-1), batched_rows(work_precision(values)))
     y = y.view(B, H, 1, hv)
+    return y if y.dtype == values.dtype else y.to(values.dtype)
+
+
+def decode_softmax_rows(query: Tensor, keys: Tensor, values: Tensor, beta: Tensor, lo: Tensor,
+                        hi: Tensor) -> Tensor:
+    """:func:`decode_softmax` where batch row b sees the entries lo[b] <= j <= hi[b] only
+    ((B or 1, 1) bounds): the scores of the columns the rows span together, the others set
+    to -inf before the softmax. (B, H, 1, hv); a row that sees nothing gets 0."""
+    B, H, _, hv = values.shape
+    a, b = max(int(lo.min()), 0), min(int(hi.max()) + 1, keys.shape[2])
+    if b <= a:
+        return values.new_zeros(B, H, 1, hv)
+    q = work_precision(query) * work_precision(beta).view(-1, H, 1, 1)
+    k, v = work_precision(keys[:, :, a:b]), work_precision(values[:, :, a:b])
+    scores = torch.bmm(batched_rows(q), batched_rows(k).transpose(1, 2)).view(B, H, 1, b - a)
+    col = torch.arange(a, b, device=keys.device).view(1, -1)
+    seen = (col >= lo.view(-1, 1)) & (col <= hi.view(-1, 1))  # (B or 1, b - a)
+    scores = scores.masked_fill(~seen.view(-1, 1, 1, b - a), float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0).view(B * H, 1, b - a)
+    y = torch.bmm(weights, batched_rows(v)).view(B, H, 1, hv)
     return y if y.dtype == values.dtype else y.to(values.dtype)
 
 
