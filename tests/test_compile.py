@@ -97,6 +97,7 @@ def test_compiled_step_equals_eager(version: str, kernel: str) -> None:
     assert pair.counter.frame_count == compiled
 
 
+@pytest.mark.integration
 def test_graph_breaks_only_at_eager_boundaries() -> None:
     """v1 with a sparse kernel: the kernel's tiles run eagerly (memory.py, retrieve); v2:
     the gap draw (modeling_mosaics.py) and the interval retrievals (memory.py, attend). Every
