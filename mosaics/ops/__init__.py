@@ -11,6 +11,7 @@ op                       reference                       what it computes
 ``linear_cross_entropy`` ``linear_cross_entropy_ref..``  CE(h W^T, y) without the logits
 ``causal_linear_att..``  ``causal_linear_att.._ref..``   sum_{s<t} q_t.k_s [v_s, 1], normalised
 ``power_attention``      ``power_attention_reference``   [a (q.k - m) - s]_+^r / sum, j in lo..hi
+``knn_attention``        ``knn_attention_reference``     softmax or 1/count on the top-k q.k
 =======================  ==============================  ======================================
 
 Each op chooses its form inside (device, dtype, sizes, gradients, ``MOSAICS_CPU_EXTENSION``,
@@ -22,6 +23,7 @@ checks every op against its reference, value and gradient, in float64.
 from .banks import bank_attention, bank_attention_reference
 from .causal import causal_attention, causal_attention_reference
 from .fused_loss import linear_cross_entropy, linear_cross_entropy_reference
+from .knn_attention import knn_attention, knn_attention_reference
 from .leaky import decay_rate, leaky_average, leaky_average_reference
 from .linear_attention import causal_linear_attention, causal_linear_attention_reference
 from .power_attention import power_attention, power_attention_reference
@@ -40,6 +42,8 @@ __all__ = [
     "causal_linear_attention",
     "causal_linear_attention_reference",
     "decay_rate",
+    "knn_attention",
+    "knn_attention_reference",
     "leaky_average",
     "leaky_average_reference",
     "linear_cross_entropy",

@@ -89,12 +89,12 @@ def _config(q: Tensor, k_top: int, S: int) -> dict:
     """Block sizes and flags shared by the forward and backward kernels (the backward must
     recompute the forward's scores bit for bit, so it uses the same tiles)."""
     select_all = k_top >= S
-    k_pad = 16 if select_all else _pow2(k_top, 16)
+    k_pad = 2 if select_all else _pow2(k_top, 2)
     base = 64 if q.is_cuda else _INTERPRETED_BLOCK
     return {"BLOCK_M": base if k_pad <= 64 else 32, "BLOCK_N": max(base, k_pad), "K_PAD": k_pad,
             "SELECT_ALL": select_all, "LOG_K": k_pad.bit_length() - 1,
             "LIBRARY_SORT": q.is_cuda or LIBRARY_SORT_ON_CPU,
-            "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
+            "PRECISION": "ieee" if q.dtype == torch.float32 or not q.is_cuda else "native"}
 
 
 class _KNNAttention(torch.autograd.Function):

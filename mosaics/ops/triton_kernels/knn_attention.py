@@ -24,6 +24,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _dot(a, b, PRECISION: tl.constexpr):
+    """a @ b with fp32 accumulation. "ieee": products in full fp32 (fp32 inputs, and every
+    dtype under the interpreter, whose bf16 / fp16 dot is wrong; bf16 products are exact in
+    fp32 anyway); "native": in the inputs' dtype (bf16 / fp16 on the GPU)."""
+    if PRECISION == "ieee":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
 def _bounds(LO, HI, rows, n, S, offset, lo_off, HAS_BOUNDS: tl.constexpr):
     """Per-row visible interval [lo, hi]; rows past n see nothing (lo = S, hi = -1)."""
     valid = rows < n
@@ -43,7 +54,7 @@ def _scores(q, K, k_off, cols, S, HS, dk, PRECISION: tl.constexpr):
     """(BLOCK_M, BLOCK_N) q k^T for the key columns ``cols`` (zero rows past S)."""
     kt = tl.load(K + k_off + cols[:, None] * HS + dk[None, :],
                  mask=(cols[:, None] < S) & (dk[None, :] < HS), other=0.0)
-    return tl.dot(q, tl.trans(kt), input_precision=PRECISION), kt
+    return _dot(q, tl.trans(kt), PRECISION), kt
 
 
 @triton.constexpr_function
@@ -170,14 +181,14 @@ def _knn_fwd(Q, K, V, BETA, LO, HI, OUT, STATS, JT,
         if UNIFORM:
             w = sel.to(tl.float32)
             l_i += tl.sum(w, 1)
-            acc += tl.dot(w.to(vt.dtype), vt, input_precision=PRECISION)
+            acc += _dot(w.to(vt.dtype), vt, PRECISION)
         else:
             m_new = tl.maximum(m_i, tl.max(tl.where(sel, s, -inf), 1))
             m_safe = tl.where(m_new == -inf, 0.0, m_new)
             alpha = tl.exp(beta * (m_i - m_safe))
             p = tl.where(sel, tl.exp(beta * tl.where(sel, s - m_safe[:, None], 0.0)), 0.0)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PRECISION)
             m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(OUT + bh * n * HV + rows[:, None] * HV + dv[None, :],
@@ -256,13 +267,13 @@ def _knn_bwd_dkdv(Q, K, V, BETA, LO, HI, STATS, JT, DO, DELTA, DK, DV,
             do = tl.load(DO + o_off + rows[:, None] * HV + dv[None, :],
                          mask=(rows[:, None] < n) & (dv[None, :] < HV), other=0.0)
             m, l, tau, jt, delta = _row_stats(STATS, JT, DELTA, bh, rows, n, UNIFORM)
-            s = tl.dot(q, tl.trans(kt), input_precision=PRECISION)
+            s = _dot(q, tl.trans(kt), PRECISION)
             sel, p = _weights(s, cols, lo, hi, m, l, tau, jt, beta, UNIFORM)
-            acc_v += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+            acc_v += _dot(tl.trans(p.to(do.dtype)), do, PRECISION)
             if not UNIFORM:
-                dp = tl.dot(do, tl.trans(vt), input_precision=PRECISION)
+                dp = _dot(do, tl.trans(vt), PRECISION)
                 ds = p * (dp - delta[:, None]) * beta
-                acc_k += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+                acc_k += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION)
     tl.store(DV + v_off + cols[:, None] * HV + dv[None, :], acc_v.to(DV.dtype.element_ty),
              mask=(cols[:, None] < S) & (dv[None, :] < HV))
     if not UNIFORM:
@@ -302,10 +313,10 @@ def _knn_bwd_dq(Q, K, V, BETA, LO, HI, STATS, JT, DO, DELTA, DQ, DBETA,
         vt = tl.load(V + v_off + cols[:, None] * HV + dv[None, :],
                      mask=(cols[:, None] < S) & (dv[None, :] < HV), other=0.0)
         sel, p = _weights(s, cols, lo, hi, m, l, tau, jt, beta, False)
-        dp = tl.dot(do, tl.trans(vt), input_precision=PRECISION)
+        dp = _dot(do, tl.trans(vt), PRECISION)
         dz = p * (dp - delta[:, None])
         db += tl.sum(tl.where(sel, dz * s, 0.0), 1)
-        acc += tl.dot((dz * beta).to(kt.dtype), kt, input_precision=PRECISION)
+        acc += _dot((dz * beta).to(kt.dtype), kt, PRECISION)
     tl.store(DQ + q_off + rows[:, None] * HS + dk[None, :], acc.to(DQ.dtype.element_ty),
              mask=(rows[:, None] < n) & (dk[None, :] < HS))
     tl.store(DBETA + bh * n + rows, db, mask=rows < n)

@@ -1,0 +1,156 @@
+"""The fused kNN retrieval (gaussian_knn, uniform_knn) against its dense float64 reference and
+the kernels' chunked paths, run on CPU under Triton's interpreter (``tests/conftest.py`` sets
+``TRITON_INTERPRET=1`` where there is no CUDA)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+if not (triton.knobs.runtime.interpret or torch.cuda.is_available()):
+    pytest.skip("Triton imported without its interpreter (TRITON_INTERPRET=1)",
+                allow_module_level=True)
+
+from mosaics.kernels import get_kernel  # noqa: E402
+from mosaics.ops import knn_attention, knn_attention_reference  # noqa: E402
+from mosaics.ops import triton_backend as tb  # noqa: E402
+
+knn_ops = importlib.import_module("mosaics.ops.knn_attention")  # the module, not the function
+
+
+def unit(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def inputs(n: int, S: int, hs: int = 16, hv: int = 16, B: int = 1, H: int = 2, seed: int = 0):
+    """float64 unit queries and keys around a shared direction, values."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(1, 1, 1, hs, generator=g, dtype=torch.float64)
+    q = unit(torch.randn(B, H, n, hs, generator=g, dtype=torch.float64) + common)
+    k = unit(torch.randn(B, H, S, hs, generator=g, dtype=torch.float64) + common)
+    v = torch.randn(B, H, S, hv, generator=g, dtype=torch.float64)
+    return q, k, v
+
+
+def dyadic(n: int, S: int, distinct: int, hs: int = 16, H: int = 2, seed: int = 0):
+    """Queries and keys with entries in 2^-7 Z (|x| < 1), so every score is exact in float32;
+    the keys repeat ``distinct`` rows, so rows have exact ties, also at the k-th score."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-60, 61, (1, H, n, hs), generator=g).double() / 128
+    base = torch.randint(-60, 61, (1, H, distinct, hs), generator=g).double() / 128
+    k = base[:, :, torch.randint(0, distinct, (S,), generator=g)]
+    v = torch.randn(1, H, S, hs, generator=g, dtype=torch.float64)
+    return q, k, v
+
+
+def compare(q, k, v, beta, offset: int, k_top: int, uniform: bool, dtype=torch.float32,
+            lo=None, hi=None, out_tol: float = 1e-5, grad_tol: float = 1e-4) -> None:
+    """Fused output and gradients (inputs rounded to ``dtype``) against the float64 reference
+    on the same rounded inputs; tolerances relative to each reference's largest entry."""
+    rounded = [x.to(dtype).double() for x in (q, k, v)]
+    fused_in = [x.to(dtype).requires_grad_() for x in (q, k, v)] + [
+        beta.float().requires_grad_()]
+    ref_in = [x.clone().requires_grad_() for x in rounded] + [beta.double().requires_grad_()]
+    y = knn_attention(*fused_in, offset, k_top, uniform, lo, hi)
+    ref = knn_attention_reference(*ref_in, offset, k_top, uniform, lo, hi)
+    assert y.dtype == dtype and y.shape == ref.shape
+    scale = ref.abs().max().clamp_min(1e-30)
+    assert (y.double() - ref).abs().max() <= out_tol * scale
+    g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grads = torch.autograd.grad(y, fused_in, g.to(dtype))
+    refs = torch.autograd.grad(ref, ref_in, g, allow_unused=True)
+    for name, got, want in zip(("q", "k", "v", "beta"), grads, refs):
+        assert torch.isfinite(got).all(), name
+        if want is None:  # uniform weights: no gradient to q, k, beta
+            assert not got.any(), name
+            continue
+        err = (got.double() - want).abs().max()
+        assert err <= grad_tol * want.abs().max().clamp_min(1e-12), (name, float(err))
+
+
+@pytest.mark.parametrize("T,k_top,offset", [(130, 16, -1), (70, 100, 0), (90, 5, -1)])
+def test_gaussian_matches_float64_reference(T: int, k_top: int, offset: int) -> None:
+    # T 130: three key blocks, the first rows see fewer than k entries; k 100 > T: all entries
+    q, k, v = inputs(T, T, seed=T)
+    compare(q, k, v, torch.tensor([2.0, math.exp(3)]), offset, k_top, uniform=False)
+
+
+def test_uniform_matches_float64_reference() -> None:
+    q, k, v = inputs(130, 130, seed=3)
+    compare(q, k, v, torch.tensor([1.0, 5.0]), -1, 8, uniform=True)
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_exact_ties_go_to_the_lowest_columns(uniform: bool) -> None:
+    # exact float32 scores from repeated keys: ties everywhere, also across the k-th score;
+    # the reference sorts stably, so both take the lowest tied columns; beta e^10
+    q, k, v = dyadic(100, 100, distinct=6)
+    compare(q, k, v, torch.tensor([math.exp(10), 30.0]), -1, 7, uniform, grad_tol=1e-3)
+
+
+def test_ties_across_small_blocks_and_library_sort(monkeypatch) -> None:
+    # 16-column tiles: ties and top-k merges across several key blocks; the second call runs
+    # Triton's own tl.topk / tl.bitonic_merge (the compiled path's network) interpreted
+    monkeypatch.setattr(knn_ops, "_INTERPRETED_BLOCK", 16)
+    q, k, v = dyadic(45, 45, distinct=5, seed=2)
+    compare(q, k, v, torch.tensor([20.0, 3.0]), -1, 6, uniform=False)
+    monkeypatch.setattr(knn_ops, "LIBRARY_SORT_ON_CPU", True)
+    q, k, v = dyadic(33, 33, distinct=4, seed=4)
+    compare(q, k, v, torch.tensor([20.0, 3.0]), 0, 3, uniform=False)
+
+
+def test_empty_rows_offsets_and_bfloat16() -> None:
+    # offset -3: rows 0..2 see nothing -> output 0, gradients finite; bf16 inputs, fp32 sums
+    q, k, v = inputs(70, 70, seed=5)
+    y = knn_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), torch.tensor([3.0, 8.0]), -3, 9)
+    assert y.dtype == torch.bfloat16 and not y[:, :, :3].any() and y[:, :, 3:].abs().sum() > 0
+    compare(q, k, v, torch.tensor([3.0, 8.0]), -3, 9, uniform=False, dtype=torch.bfloat16,
+            out_tol=1e-2, grad_tol=3e-2)
+
+
+def test_intervals_odd_head_sizes_and_batch_bounds() -> None:
+    # per-row intervals (one per batch row, some empty, some past the memory), hs 24, hv 20
+    n, S = 50, 61
+    q, k, v = inputs(n, S, hs=24, hv=20, B=2, seed=6)
+    g = torch.Generator().manual_seed(7)
+    lo = torch.randint(-5, S, (2, n), generator=g)
+    hi = lo + torch.randint(-3, 30, (2, n), generator=g)
+    compare(q, k, v, torch.tensor([4.0, 12.0]), 0, 6, uniform=False, lo=lo, hi=hi)
+
+
+@pytest.mark.parametrize("name", ["gaussian_knn", "uniform_knn"])
+def test_registry_takes_fused_path_equal_to_chunked(name: str, monkeypatch) -> None:
+    kernel = get_kernel(name, k=5)
+    keys, _, values = inputs(67, 67, seed=8)
+    keys, values = keys.float(), values.float()
+    beta = torch.tensor([6.0, 15.0])
+    lo = torch.arange(67).view(1, -1) - 20  # a window of 20 past entries
+    hi = torch.arange(67).view(1, -1) - 1
+    outs = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("MOSAICS_FUSED", switch)
+        xs = [x.clone().requires_grad_() for x in (keys, values, beta)]
+        y = kernel(*xs)
+        assert tb.PATHS[name] == ("fused" if switch == "1" else "chunked: MOSAICS_FUSED=0")
+        ya = kernel.attend(xs[0], xs[0], xs[1], xs[2], lo, hi)
+        assert tb.PATHS[name] == ("fused" if switch == "1" else "chunked: MOSAICS_FUSED=0")
+        grads = torch.autograd.grad((y * y).sum() + (ya * ya).sum(), xs)
+        outs[switch] = (y, ya, *grads)
+    for got, want in zip(outs["1"], outs["0"]):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_input_names_the_fix() -> None:
+    q, k, v = (x.float() for x in inputs(8, 8))
+    with pytest.raises(ValueError, match="k_top must be an integer >= 1"):
+        knn_attention(q, k, v, torch.ones(2), -1, 0)
+    with pytest.raises(ValueError, match=r"beta must have shape \(H,\)"):
+        knn_attention(q, k, v, torch.ones(3), -1, 4)
+    with pytest.raises(ValueError, match="knn_attention_reference"):
+        knn_attention(q.double(), k.double(), v.double(), torch.ones(2), -1, 4)
+    with pytest.raises(ValueError, match="both lo and hi"):
+        knn_attention(q, k, v, torch.ones(2), -1, 4, lo=torch.zeros(1, 8, dtype=torch.long))
