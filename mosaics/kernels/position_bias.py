@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .base import Kernel
-from .score_kernel import ScoreKernel, _ChunkedRetrieval
+from .score_kernel import PowerKernel, _ChunkedRetrieval
 
 
 def alibi_slopes(n_head: int) -> Tensor:
@@ -71,12 +71,10 @@ def biased_retrieval(kernel: Kernel, queries: Tensor, keys: Tensor, values: Tens
     if beta.shape != (H,) or slopes.shape != (H,):
         raise ValueError(f"beta and slopes must have shape (H,) = ({H},), got "
                          f"{tuple(beta.shape)} and {tuple(slopes.shape)}")
-    if isinstance(kernel, ScoreKernel):  # the kernel's fused path, where it has one
+    if isinstance(kernel, PowerKernel) and kernel.fused_skip_reason(queries, keys, values) is None:
         hi = (torch.arange(queries.shape[2], device=queries.device) + int(offset)).view(1, -1)
-        fused = kernel.fused_retrieval(queries, keys, values, beta.view(1, H, 1, 1),
-                                       torch.zeros_like(hi), hi, slopes=slopes.detach(),
-                                       pos0=int(offset) + 1)
-        if fused is not None:
-            return fused
+        return kernel.fused_retrieval(queries, keys, values, beta.view(1, H, 1, 1),
+                                      torch.zeros_like(hi), hi, slopes=slopes.detach(),
+                                      pos0=int(offset) + 1)
     return _ChunkedRetrieval.apply(queries, keys, values, beta, kernel, int(offset),
                                    slopes.detach())

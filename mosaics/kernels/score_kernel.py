@@ -433,20 +433,25 @@ class PowerKernel(ScoreKernel):
         with its own :meth:`row_shift`)."""
         return None
 
-    def fused_retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
-                        lo: Tensor, hi: Tensor, slopes: Tensor | None = None,
-                        pos0: int = 0) -> Tensor | None:
-        form = self.fused_form()
+    def fused_skip_reason(self, queries: Tensor, keys: Tensor, values: Tensor) -> str | None:
+        """Why the fused path does not serve this call (recorded and, where the switch asked
+        for it, logged once), or None when it does."""
         reason = fused_reason(queries, keys, values)
         if reason is None:
-            if form is None:
+            if self.fused_form() is None:
                 reason = f"{type(self).__name__} has no fused form (its own row_shift)"
             elif torch.float64 in (queries.dtype, keys.dtype, values.dtype):
                 reason = "float64 inputs (the chunked path is the float64 reference)"
             elif max(queries.shape[-1], values.shape[-1]) > FUSED_MAX_HEAD:
                 reason = f"head size above {FUSED_MAX_HEAD}"
         note_path(self.name, reason, expected=fused_expected(queries))
-        if reason is not None:
+        return reason
+
+    def fused_retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
+                        lo: Tensor, hi: Tensor, slopes: Tensor | None = None,
+                        pos0: int = 0) -> Tensor | None:
+        form = self.fused_form()
+        if self.fused_skip_reason(queries, keys, values) is not None:
             return None
         B, H, n, _ = queries.shape
         a = (self.score_scale * beta).expand(B, H, n, 1).reshape(B * H, n)
@@ -459,12 +464,11 @@ class PowerKernel(ScoreKernel):
 
     def retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                   offset: int) -> Tensor:
-        n = queries.shape[2]
-        hi = (torch.arange(n, device=queries.device) + offset).view(1, n)
-        fused = self.fused_retrieval(queries, keys, values, beta.view(1, -1, 1, 1),
-                                     torch.zeros_like(hi), hi)
-        if fused is not None:
-            return fused
+        if self.fused_skip_reason(queries, keys, values) is None:
+            n = queries.shape[2]
+            hi = (torch.arange(n, device=queries.device) + offset).view(1, n)
+            return self.fused_retrieval(queries, keys, values, beta.view(1, -1, 1, 1),
+                                        torch.zeros_like(hi), hi)
         return self.tiled(queries, keys, values, beta.view(1, -1, 1, 1),
                           self.past_tiles(offset))
 
