@@ -14,11 +14,11 @@ lie in the blocks whose max reaches that bound (about k of them), and a top-k ov
 blocks alone gives them. Everything after that works on the k selected entries per row
 (gathers of k key / value rows and scatter-adds), and the backward needs no score matrix.
 
-On CUDA (or with ``MOSAICS_FUSED=1``) the training / prompt retrieval and
-:meth:`~_KNNKernel.attend` with one bandwidth per head take the fused Triton kernels of
+On CUDA (or with ``MOSAICS_FUSED=1``) the training / prompt retrieval and ``attend`` with one
+bandwidth per head take the fused Triton kernels of
 :func:`mosaics.ops.knn_attention.knn_attention` instead (ties at the k-th score go to the
-lowest columns there); float64 and k above ``MAX_K`` (below the memory length) stay here.
-Decoding one row keeps :func:`~.base.decode_row`.
+lowest columns there); float64, k above ``MAX_K`` (below the memory length), per-query
+bandwidths and ALiBi stay here. Decoding one row keeps :func:`~.base.decode_row`.
 
 Short memories (:class:`_DenseTopKRetrieval`: at most ``dense_keys_per_k`` x k keys and
 ``chunk_elements`` scores in all): the whole score matrix, one top-k per row, the weights
@@ -39,9 +39,9 @@ from torch.autograd.function import once_differentiable
 
 from ..ops.knn_attention import knn_attention, knn_unsupported
 from ..ops.triton_backend import fused_expected, fused_reason, note_path
-from .base import check_attend_args, register_kernel
+from .base import register_kernel
 from .normalizers import BLOCK, block_max, entmax_backward, shifted_scores, work_dtype
-from .score_kernel import ScoreKernel, _flat_rows, _needs_grad, _Tiles, check_positive_int
+from .score_kernel import ScoreKernel, _flat_rows, _Tiles, check_positive_int
 
 
 def top_k_support(x: Tensor, k: int) -> Tensor:
@@ -93,17 +93,18 @@ class _KNNKernel(ScoreKernel):
             return None
         return knn_attention(queries, keys, values, beta, offset, self.k, self.uniform, lo, hi)
 
-    def attend(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
-               lo: Tensor, hi: Tensor) -> Tensor:
-        """:meth:`ScoreKernel.attend`, with the intervals lo[i] <= j <= hi[i] and one bandwidth
-        per head going to the fused kernels where they run (:meth:`fused`)."""
-        check_attend_args(queries, keys, values, beta, lo, hi)
-        decoding = queries.shape[2] == 1 and not _needs_grad(queries, keys, values, beta)
-        if beta.dim() == 1 and not decoding:
-            y = self.fused(queries, keys, values, beta, lo=lo, hi=hi)
-            if y is not None:
-                return y
-        return super().attend(queries, keys, values, beta, lo, hi)
+    def fused_retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
+                        lo: Tensor, hi: Tensor, slopes: Tensor | None = None,
+                        pos0: int = 0) -> Tensor | None:
+        """:meth:`attend` over the intervals lo[i] <= j <= hi[i] through :meth:`fused`, for
+        one bandwidth per head ((1, H, 1, 1)) and no ALiBi bias; else None."""
+        H = queries.shape[1]
+        if slopes is not None or beta.shape != (1, H, 1, 1):
+            why = "an ALiBi bias" if slopes is not None else "a bandwidth per query"
+            note_path(self.name, f"{why} (the fused kNN kernels take one per head)",
+                      expected=fused_expected(queries))
+            return None
+        return self.fused(queries, keys, values, beta.view(H), lo=lo, hi=hi)
 
     def retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                   offset: int) -> Tensor:
