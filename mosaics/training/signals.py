@@ -3,9 +3,9 @@
 The first configured signal (``stop_signals``, default SIGTERM and SIGUSR1) sets a flag; the
 trainer all-reduces it every step, so every process stops after the same step, writes a
 checkpoint together and the run exits with :data:`EXIT_PREEMPTED`. A second signal ends the
-process at once with status 128 + the signal number (no checkpoint); a repeat within
-:data:`DUPLICATE_WINDOW_S` of the first is the same event delivered twice (a signal to a process
-group or a SLURM step and a launcher passing it on) and is ignored.
+process at once with status 128 + the signal number (no checkpoint); the same signal again
+within :data:`DUPLICATE_WINDOW_S` of the first is one event delivered twice (a signal to a
+process group or a SLURM step and a launcher passing it on) and is ignored.
 
 A rank started by a launcher (``mosaics train --nproc``, torchrun, ``accelerate launch``) also
 stops, with a checkpoint, when that launcher is gone: a launcher killed by a signal it does not
@@ -82,7 +82,8 @@ class StopSignals:
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         if self.received is not None:
-            if time.monotonic() - self._received_at < DUPLICATE_WINDOW_S:
+            if name == self.received and time.monotonic() - self._received_at \
+                    < DUPLICATE_WINDOW_S:
                 return  # the same event, delivered to this process twice
             os.write(2, f"\n{name} after {self.received}: exiting now, without a "
                         "checkpoint\n".encode())
