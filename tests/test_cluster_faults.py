@@ -477,10 +477,16 @@ def test_a_signal_delivered_twice_at_once_counts_once(monkeypatch) -> None:
         os.kill(os.getpid(), signal.SIGUSR1)  # a second, distinct signal would _exit here
         assert stop.received == "SIGUSR1" and stop.requested()
     monkeypatch.setenv("MOSAICS_LAUNCHER_PID", str(os.getppid()))
-    assert not StopSignals([signal.SIGTERM]).requested()  # the launcher is alive: our parent
-    monkeypatch.setenv("MOSAICS_LAUNCHER_PID", str(2**22 + 1))
-    gone = StopSignals([signal.SIGTERM])
-    assert gone.requested() and gone.received == f"the exit of launcher PID {2**22 + 1}"
+    watch = StopSignals([signal.SIGTERM])
+    assert watch.launcher == os.getppid() and not watch.requested()  # our parent, alive
+    monkeypatch.setattr(os, "getppid", lambda: 1)  # the launcher died: re-parented
+    assert watch.requested() and watch.received == f"the exit of launcher PID {watch.launcher}"
+    monkeypatch.undo()
+    monkeypatch.setenv("MOSAICS_LAUNCHER_PID", str(2**22 + 1))  # inherited from a rank
+    assert StopSignals([signal.SIGTERM]).launcher is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.delenv("MOSAICS_LAUNCHER_PID")
+    assert StopSignals([signal.SIGTERM]).launcher == os.getppid()  # torch's agent
     assert StopSignals([]).launcher is None  # stop signals off: no launcher watch either
 
 

@@ -58,9 +58,11 @@ def parse_signals(spec: str) -> list[signal.Signals]:
 
 def launcher_pid() -> int | None:
     """The PID of the launcher that started this rank (``mosaics train --nproc``, torchrun or
-    ``accelerate launch``: this process's parent), or ``None`` without one."""
+    ``accelerate launch``: this process's parent), or ``None`` without one. A process that
+    merely inherited the launcher's variable from a rank (its parent) watches nothing."""
     if os.environ.get(LAUNCHER_ENV, "").isdigit():
-        return int(os.environ[LAUNCHER_ENV])
+        pid = int(os.environ[LAUNCHER_ENV])
+        return pid if pid == os.getppid() else None
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # torch's elastic agent started this process
         return os.getppid()
     return None
