@@ -7,8 +7,8 @@ two forwards), counted for the block that trains, 2 FLOPs per multiply-add:
   without ``key_projection``), the output projection (2 d^2), the gated keys' gain and decay
   (4 d H), and the retrieval, 4 d m_t for a query that sees m_t entries (scores and weighted
   sum), averaged over the T positions: m_t = t for the strict past of v1, min(t, h - 1) for the
-  v2 short-term memory and max(0, t - m + 1) for its long-term one, each with its own
-  projections;
+  v2 short-term memory and max(0, t - m + 1) for its long-term one (m the mean of the
+  training gaps; document boundaries not subtracted), each with its own projections;
 - persistent memory: key projection 2 d^2, the P-slot banks 4 d P, output projection 2 d^2;
   or the SwiGLU 6 d F;
 - the tied head 2 d V (the chunked loss computes it too).
