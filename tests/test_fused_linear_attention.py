@@ -200,3 +200,65 @@ def test_fska_fused_path_on_cuda(monkeypatch):
         assert (triton_backend.PATHS["fska"] == "fused") == (switch == "")
     for got, want in zip(results[""], results["0"], strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
+
+
+
+def compile_check(dtype_name: str) -> None:
+    """Compile every kernel to an sm_90 cubin (Triton's own ptxas, no GPU needed) at the launch
+    settings of ``mosaics.ops.linear_attention``, for D 64 and 128 (the largest the op takes),
+    and check the shared memory against the H100's 227 KiB. Run in a process where Triton is
+    not in interpreter mode (the standard library's jitted helpers are then compilable)."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mosaics.ops import linear_attention as la
+    from mosaics.ops.triton_backend import triton_module
+
+    assert not triton.knobs.runtime.interpret
+    mod = triton_module(la.KERNEL_FILE, torch.device("cuda"))
+    dtype = getattr(torch, dtype_name)
+    dt = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}[dtype]
+    ptr = {torch.float32: "*fp32", torch.bfloat16: "*bf16"}[dtype]
+    dots = {"PREC": "ieee" if dtype == torch.float32 else "tf32", "DT": dt, "DOT": dt}
+    types = {n: "i32" for n in ("T", "F", "D", "NC")} | {"eps": "fp32"} | {
+        n: "*fp32" for n in ("w_ptr", "s_ptr", "z_ptr", "den_ptr", "dd_ptr", "rs_ptr", "rz_ptr")}
+    cases = [(mod.chunk_states, {"HAS_W": True, "REVERSE": True, "C": 64, "BK": 32, "BD": 32,
+                                 **dots}, {}),
+             (mod.output_grad, {"BT": 64, "BD": la.MAX_VALUE_DIM, "DT": dt}, {})]
+    for BD in (64, la.MAX_VALUE_DIM):
+        cases += [(mod.chunk_forward, {"C": 64, "BK": la.FORWARD_BK, "BD": BD, **dots},
+                   la.LAUNCH),
+                  (mod.chunk_backward, {"SHARED": True, "C": 64, "BK": la._backward_bk(dtype),
+                                        "BD": BD, **dots}, la.LAUNCH)]
+    for fn, consts, options in cases:
+        signature = {n: "constexpr" if n in consts else types.get(n, ptr) for n in fn.arg_names}
+        src = ASTSource(fn=fn, signature=signature, constexprs=consts)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        assert "cubin" in kernel.asm, fn.__name__
+        assert kernel.metadata.shared <= 227 * 1024, (fn.__name__, consts, kernel.metadata.shared)
+        print(fn.__name__, consts.get("BD"), "shared", kernel.metadata.shared)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernels_compile_for_sm90_without_a_gpu(dtype):
+    """:func:`compile_check` in a fresh process without ``TRITON_INTERPRET``."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    here = Path(__file__).resolve().parent
+    code = (f"import sys; sys.path.insert(0, {str(here)!r}); "
+            f"from test_fused_linear_attention import compile_check; "
+            f"compile_check({dtype!r})")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600)
+    if out.returncode and "ptxas" in out.stderr and "not found" in out.stderr.lower():
+        pytest.skip(f"no ptxas for sm_90 here: {out.stderr[-300:]}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("shared") == 6
