@@ -17,6 +17,13 @@ without pulling on the bandwidth.
 Frequencies are redrawn (reparameterised) on every training forward; in eval mode and for
 decoding they come from a fixed seeded noise buffer ``eval_noise`` that is saved with the
 model.
+
+Paths of the strict-past retrieval (training and prompts): with the elu1 map, the fused
+Triton scan of :mod:`mosaics.ops.linear_attention` where ``MOSAICS_FUSED`` allows it (CUDA by
+default; :class:`_FusedElu1Attention`), else the segmented PyTorch scan
+(:class:`_CosineFeatureAttention`); the exp map always takes its log-space chunked scan
+(:func:`stable_causal_linear_attention`). ``mosaics.ops.triton_backend.PATHS["fska"]`` says
+which ran last. Decoding steps keep their O(1) running sums.
 """
 
 from __future__ import annotations
