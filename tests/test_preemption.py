@@ -8,6 +8,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -217,13 +218,17 @@ def _launch_cmd(settings: dict, run_dir: Path) -> list[str]:
             "batch_size=1"]
 
 
-def _check_first_steps(run_dir: Path, reference: dict, tol: float, context: object = "") -> None:
-    """Every value the reference logged up to step SHORT, equal within ``tol``."""
-    resumed = _metrics(run_dir)
+def _check_first_steps(run_dir: Path, reference: dict, tol: float, context: object = ""
+                       ) -> float:
+    """Every value the reference logged up to step SHORT, equal within ``tol``; returns the
+    largest difference."""
+    resumed, worst = _metrics(run_dir), 0.0
     for key, value in reference.items():
         if key[0] <= SHORT:
             assert key in resumed, (context, key)
             assert resumed[key] == pytest.approx(value, abs=tol, rel=0), (context, key)
+            worst = max(worst, abs(resumed[key] - value))
+    return worst
 
 
 def _stop_launcher(cmd: list[str], run_dir: Path, sig: int, group: bool, after: int
@@ -336,9 +341,12 @@ def test_sigkills_at_random_steps_end_with_the_uninterrupted_losses(reference) -
            "checkpoint_interval=7"]
     seed = int(time.time())
     kills = sorted(random.Random(seed).sample(range(3, SHORT - 3), 4))
+    logs = []
     for target in kills:
-        proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+        logs.append(base / f"soak-{target}.log")
+        with open(logs[-1], "w") as handle:
+            proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                    stderr=handle, start_new_session=True)
         try:
             deadline = time.time() + 300
             while _logged_steps(run_dir) < target and proc.poll() is None:
@@ -350,4 +358,8 @@ def test_sigkills_at_random_steps_end_with_the_uninterrupted_losses(reference) -
     final = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True,
                            timeout=300)
     assert final.returncode == 0, f"seed {seed}: " + final.stderr[-3000:]
-    _check_first_steps(run_dir, expected, 1e-5, f"seed {seed}, kills at steps {kills}")
+    worst = _check_first_steps(run_dir, expected, 1e-5, f"seed {seed}, kills at steps {kills}")
+    starts = [re.findall(r"resumed from \S+ at step (\d+)", text) or ["fresh"]
+              for text in [log.read_text() for log in logs] + [final.stderr]]
+    print(f"soak: seed {seed}; SIGKILLs once steps {kills} were logged; the runs started at "
+          f"{[s[0] for s in starts]}; largest difference to the reference {worst:.2e}")
