@@ -1,6 +1,7 @@
 """The ``mosaics`` command (also ``python -m mosaics``).
 
-    mosaics train [--config NAME_OR_PATH] [--print-config] [key=value | --key value ...]
+    mosaics train [--config NAME_OR_PATH] [--print-config] [--nproc N [--deepspeed JSON]]
+                  [key=value | --key value ...]
     mosaics eval COMMAND ...               (`mosaics eval --help` lists the commands)
     mosaics convert-reference CKPT OUT_DIR [--tokenizer NAME_OR_PATH]
     mosaics configs {list,show,path,copy} ...
@@ -20,7 +21,8 @@ from . import __version__
 from .errors import InputError
 
 TRAIN_USAGE = """\
-usage: {prog} [--config NAME_OR_PATH] [--print-config] [key=value | --key value | --flag ...]
+usage: {prog} [--config NAME_OR_PATH] [--print-config] [--nproc N [--deepspeed JSON]]
+       [key=value | --key value | --flag ...]
 
 Pretrain a Memory Mosaics model (or the matched GPT-2 baseline).
 

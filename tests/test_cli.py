@@ -265,3 +265,16 @@ def test_bad_files_end_in_one_line_not_a_traceback(capsys, tmp_path):
         rc, _, err = run(capsys, "eval", "perplexity", str(tmp_path / name), "--data", str(data))
         last = err.strip().splitlines()[-1]
         assert rc == 2 and message in last and "Traceback" not in err, (name, err[-2000:])
+
+
+def test_nproc_and_deepspeed_mistakes_are_one_line(capsys, tmp_path, monkeypatch):
+    for argv, message in ((["--nproc", "0"], "--nproc must be a positive whole number"),
+                          (["--deepspeed", str(tmp_path / "no.json"), "--nproc", "2"],
+                           "no such file"),
+                          (["--deepspeed", str(ROOT / "configs/deepspeed/zero2.json")],
+                           "--deepspeed goes with --nproc N")):
+        rc, _, err = run(capsys, "train", *argv)
+        assert rc == 2 and message in err and err.count("\n") == 1, err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # already started by a launcher
+    rc, _, err = run(capsys, "train", "--nproc", "2")
+    assert rc == 2 and "drop it when a launcher" in err
