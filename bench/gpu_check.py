@@ -417,7 +417,7 @@ SECTIONS = {"tests": run_tests, "throughput": throughput, "kernels": kernel_spee
             "deepspeed": deepspeed_resume}
 # seconds each section may take on a GPU (600 in all); a section past its limit is stopped
 # and recorded with what it left behind, and the next one starts
-BUDGETS = {"tests": 150, "throughput": 240, "kernels": 75, "deepspeed": 120}
+BUDGETS = {"tests": 180, "throughput": 240, "kernels": 70, "deepspeed": 110}
 QUICK_BUDGET = 600
 
 
