@@ -19,6 +19,7 @@ is the dense PyTorch form (a (n, S) score matrix per head).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -28,8 +29,8 @@ from torch.autograd.function import once_differentiable
 from .triton_backend import triton_module
 
 _KERNELS = Path(__file__).parent / "triton_kernels" / "knn_attention.py"
-MAX_K = 128  # the largest k with a top-k tile (k >= the key count needs none)
-MAX_HEAD = 256  # the largest head size (queries / keys and values)
+MAX_K = 64  # the largest k with a top-k tile (k >= the key count needs none)
+MAX_HEAD = 128  # the largest head size (queries / keys and values)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INTERPRETED_BLOCK = 64  # tiles under the interpreter (CPU tensors)
 # Triton's own bitonic top-k (tl.topk, tl.bitonic_merge) on CUDA; under the interpreter, where
@@ -85,13 +86,21 @@ def _check(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, k_top: int,
                          "kernel's chunked path (MOSAICS_FUSED=0)")
 
 
-def _config(q: Tensor, k_top: int, S: int) -> dict:
+def _on_device(x: Tensor) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device: make it the tensors'."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def _config(q: Tensor, v_size: int, k_top: int, S: int) -> dict:
     """Block sizes and flags shared by the forward and backward kernels (the backward must
     recompute the forward's scores bit for bit, so it uses the same tiles)."""
     select_all = k_top >= S
     k_pad = 2 if select_all else _pow2(k_top, 2)
-    base = 64 if q.is_cuda else _INTERPRETED_BLOCK
-    return {"BLOCK_M": base if k_pad <= 64 else 32, "BLOCK_N": max(base, k_pad), "K_PAD": k_pad,
+    if q.is_cuda:  # 64 x 64 tiles; 32-row ones for head sizes above 64 (shared memory)
+        base = 64 if max(q.shape[-1], v_size) <= 64 else 32
+    else:
+        base = _INTERPRETED_BLOCK
+    return {"BLOCK_M": base, "BLOCK_N": max(base, k_pad), "K_PAD": k_pad,
             "SELECT_ALL": select_all, "LOG_K": k_pad.bit_length() - 1,
             "LIBRARY_SORT": q.is_cuda or LIBRARY_SORT_ON_CPU,
             "PRECISION": "ieee" if q.dtype == torch.float32 or not q.is_cuda else "native"}
@@ -110,17 +119,18 @@ class _KNNAttention(torch.autograd.Function):
         lo32 = lo.to(torch.int32).contiguous() if bounds else q.new_zeros(1, dtype=torch.int32)
         hi32 = hi.to(torch.int32).contiguous() if bounds else lo32
         lo_stride = n if bounds and lo32.shape[0] > 1 else 0
-        cfg = _config(q, k_top, S)
+        cfg = _config(q, hv, k_top, S)
         out = torch.empty(B, H, n, hv, dtype=v.dtype, device=q.device)
         stats = torch.empty(B * H, 3, n, dtype=torch.float32, device=q.device)
         jt = torch.empty(B * H, n, dtype=torch.int32, device=q.device)
         if n > 0 and B * H > 0:
             grid = (_cdiv(n, cfg["BLOCK_M"]), B * H)
-            mod._knn_fwd[grid](
-                q, k, v, b32, lo32, hi32, out, stats, jt, n, S, H, hs, hv, int(offset),
-                k_top, lo_stride, HS_PAD=_pow2(hs, 16), HV_PAD=_pow2(hv, 16),
-                UNIFORM=bool(uniform), HAS_BOUNDS=bounds,
-                LOG_N=cfg["BLOCK_N"].bit_length() - 1, **cfg)
+            with _on_device(q):
+                mod._knn_fwd[grid](
+                    q, k, v, b32, lo32, hi32, out, stats, jt, n, S, H, hs, hv, int(offset),
+                    k_top, lo_stride, HS_PAD=_pow2(hs, 16), HV_PAD=_pow2(hv, 16),
+                    UNIFORM=bool(uniform), HAS_BOUNDS=bounds,
+                    LOG_N=cfg["BLOCK_N"].bit_length() - 1, **cfg)
         ctx.save_for_backward(q, k, v, beta, out, stats, jt, lo32, hi32)
         ctx.args = (int(offset), k_top, bool(uniform), bounds, lo_stride)
         return out
@@ -133,7 +143,7 @@ class _KNNAttention(torch.autograd.Function):
         B, H, n, hs = q.shape
         S, hv = k.shape[2], v.shape[3]
         mod = triton_module(_KERNELS, q.device)
-        cfg = _config(q, k_top, S)
+        cfg = _config(q, hv, k_top, S)
         for key in ("K_PAD", "SELECT_ALL", "LOG_K", "LIBRARY_SORT"):
             cfg.pop(key)
         pads = {"HS_PAD": _pow2(hs, 16), "HV_PAD": _pow2(hv, 16)}
@@ -147,15 +157,16 @@ class _KNNAttention(torch.autograd.Function):
         if n == 0 or S == 0 or B * H == 0:
             return dq, torch.zeros_like(k), torch.zeros_like(v), dbeta, *(None,) * 5
         common = (n, S, H, hs, hv, offset, lo_stride)
-        mod._knn_bwd_dkdv[(_cdiv(S, cfg["BLOCK_N"]), B * H)](
-            q, k, v, b32, lo32, hi32, stats, jt, g, delta, dk, dv, *common,
-            UNIFORM=uniform, HAS_BOUNDS=bounds, **pads, **cfg)
-        if not uniform:
-            drow = torch.empty(B * H, n, dtype=torch.float32, device=q.device)
-            mod._knn_bwd_dq[(_cdiv(n, cfg["BLOCK_M"]), B * H)](
-                q, k, v, b32, lo32, hi32, stats, jt, g, delta, dq, drow, *common,
-                HAS_BOUNDS=bounds, **pads, **cfg)
-            dbeta = drow.view(B, H, n).sum((0, 2)).to(beta.dtype)
+        with _on_device(q):
+            mod._knn_bwd_dkdv[(_cdiv(S, cfg["BLOCK_N"]), B * H)](
+                q, k, v, b32, lo32, hi32, stats, jt, g, delta, dk, dv, *common,
+                UNIFORM=uniform, HAS_BOUNDS=bounds, **pads, **cfg)
+            if not uniform:
+                drow = torch.empty(B * H, n, dtype=torch.float32, device=q.device)
+                mod._knn_bwd_dq[(_cdiv(n, cfg["BLOCK_M"]), B * H)](
+                    q, k, v, b32, lo32, hi32, stats, jt, g, delta, dq, drow, *common,
+                    HAS_BOUNDS=bounds, **pads, **cfg)
+                dbeta = drow.view(B, H, n).sum((0, 2)).to(beta.dtype)
         return dq, dk, dv, dbeta, None, None, None, None, None
 
 

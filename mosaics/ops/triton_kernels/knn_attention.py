@@ -8,15 +8,20 @@ Per (batch x head) row block of BLOCK_M queries, over key blocks of BLOCK_N colu
 - pass 1 (``_knn_fwd``, unless every visible entry is selected): the K_PAD largest visible
   scores of each row, kept sorted in a (BLOCK_M, K_PAD) register tile; a key block is merged
   only when one of its scores beats some row's current k-th value: its top K_PAD (bitonic
-  top-k), reversed, elementwise max with the tile (a bitonic sequence), one bitonic merge.
-  tau_i = the k-th largest, need_i = how many of the top k equal tau_i;
+  top-k) in ascending order, elementwise max with the tile (a bitonic sequence holding the
+  K_PAD largest of both), one bitonic merge. Compiled, the network is Triton's own
+  (``tl.topk``, ``tl.bitonic_merge``: bit tricks the compiler lays out well); interpreted,
+  the same network from min / max of reshaped pairs (``_top_ascending``, ``_merge``: Triton's
+  integer reductions run element by element under the interpreter, and the compiler stalls
+  on these reshapes). tau_i = the k-th largest, need_i = how many of the top k equal tau_i;
 - pass 2: selected = visible and (s > tau, or s == tau among the first need_i such columns);
   jt_i = the column of the last selected tie (-1: none). Gaussian: online softmax of
   beta (s - m) over the selected entries (m the running max); uniform: 1 / count.
 
 Saved per row: m, l (the softmax sum, or the count), tau, jt. The backward recomputes the
 scores tile by tile with the same tiles and the same dot (so the same fp32 values) and the
-selection s > tau or (s == tau and j <= jt).
+selection s > tau or (s == tau and j <= jt): ``_knn_bwd_dkdv`` per key block (dV, and dK for
+the softmax), ``_knn_bwd_dq`` per query block (dQ and the per-row bandwidth gradient).
 """
 
 import triton
