@@ -711,7 +711,7 @@ class FSKAKernel(Kernel):
         with torch.autocast(device_type=keys.device.type, enabled=False):
             w1, w2 = self.frequencies(beta)
             x = keys.float()
-            reason = self._fused_reason(x, values)
+            reason = self._fused_reason(x, values.float())  # fp32, as the chunked paths
             note_path(self.name, reason, expected=fused_expected(x))
             if reason is None:
                 return self._fused(x, values.float(), w1, w2).to(values.dtype)
