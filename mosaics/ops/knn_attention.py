@@ -96,11 +96,13 @@ def _config(q: Tensor, v_size: int, k_top: int, S: int) -> dict:
     recompute the forward's scores bit for bit, so it uses the same tiles)."""
     select_all = k_top >= S
     k_pad = 2 if select_all else _pow2(k_top, 2)
+    wide = max(q.shape[-1], v_size) > 64
     if q.is_cuda:  # 64 x 64 tiles; 32-row ones for head sizes above 64 (shared memory)
-        base = 64 if max(q.shape[-1], v_size) <= 64 else 32
+        base = 32 if wide else 64
     else:
         base = _INTERPRETED_BLOCK
     return {"BLOCK_M": base, "BLOCK_N": max(base, k_pad), "K_PAD": k_pad,
+            "num_stages": 2 if wide and q.dtype == torch.float32 else 3,  # fp32 tiles: smem
             "SELECT_ALL": select_all, "LOG_K": k_pad.bit_length() - 1,
             "LIBRARY_SORT": q.is_cuda or LIBRARY_SORT_ON_CPU,
             "PRECISION": "ieee" if q.dtype == torch.float32 or not q.is_cuda else "native"}
