@@ -16,8 +16,9 @@ a = (alpha - 1) beta; relumax (anchor max, shift -b) and epanechnikov_fixed (anc
 :func:`power_attention` runs Triton kernels (:mod:`.triton_kernels.power_attention`): compiled
 on CUDA tensors, under Triton's interpreter on CPU tensors (slow: for tests). It keeps O(n) per
 row for the backward (m, shift, N), never a score matrix. Scores, thresholds and sums are
-fp32; bf16/fp16 inputs enter the products as they are (fp32 accumulation), fp32 inputs in
-full fp32 (``input_precision="ieee"``: tf32 scores would be off by ~1e-3 beta).
+fp32; bf16/fp16 inputs enter the products as they are (fp32 accumulation), fp32 inputs at
+about fp32's accuracy (three TF32 products on the GPU, ``tf32x3``; plain TF32 scores would be
+off by ~1e-3 beta).
 :func:`power_attention_reference` is the same map written densely in PyTorch.
 """
 
@@ -40,14 +41,20 @@ def _r_kind(r: float) -> int:
     return int(r) if r in (1.0, 2.0, 3.0) else 0
 
 
-def _blocks(device: torch.device, d: int, dv: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, num_warps) for a head size d and value size dv."""
+def _blocks(device: torch.device, d: int, dv: int,
+            dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, num_warps) for head size d, value size dv.
+
+    Chosen from sm_90 compiles (``cuobjdump --dump-resource-usage``): bf16/fp16 at 64 x 64,
+    8 warps (64 x 32 for head sizes above 64) use 189-235 registers and no stack in all three
+    kernels; fp32 (three TF32 products per product) spills least at 64 x 32 with 8 warps (16,
+    200 and 480 bytes of stack at head size 64; 64 x 64 with 4 warps: 848-1656)."""
     bd = max(16, triton_next_pow2(d))
     bdv = max(16, triton_next_pow2(dv))
     if device.type != "cuda":
         return 32, 32, bd, bdv, 1  # the interpreter: fewer, larger numpy operations
-    wide = max(bd, bdv) > 64
-    return (64, 32 if wide else 64, bd, bdv, 8 if wide else 4)
+    wide = dtype == torch.float32 or max(bd, bdv) > 64
+    return 64, 32 if wide else 64, bd, bdv, 8
 
 
 def triton_next_pow2(x: int) -> int:
@@ -107,7 +114,7 @@ class _PowerAttention(torch.autograd.Function):
         af = a.to(torch.float32).contiguous()
         bf = af if bias is None else bias.to(torch.float32).contiguous()  # af: an unread stand-in
         lo_i, hi_i = _row_bounds(lo, hi, S)
-        bm, bn, bd, bdv, warps = _blocks(q.device, D, DV)
+        bm, bn, bd, bdv, warps = _blocks(q.device, D, DV, dt)
         out = torch.zeros(B * H, n, DV, dtype=torch.float32, device=q.device)
         stats = torch.zeros(3, B * H, n, dtype=torch.float32, device=q.device)  # m, shift, N
         arg = torch.zeros(B * H, n, dtype=torch.int32, device=q.device)

@@ -23,13 +23,18 @@ Backward (dx = kappa h (dp - c), h = u^(r-1), dp_ij = g_i . v_j):
 import triton
 import triton.language as tl
 
+FP32_PRECISION: tl.constexpr = tl.constexpr(
+    "ieee" if triton.knobs.runtime.interpret else "tf32x3")
+
 
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
-    """a @ b with fp32 accumulation: IEEE (fp32 inputs, or any inputs under the interpreter,
-    whose bf16 products are wrong) multiplies in full fp32, else in the inputs' dtype."""
+    """a @ b with fp32 accumulation. IEEE (fp32 inputs, and any inputs under the interpreter,
+    whose bf16 products are wrong): fp32 products, as three TF32 products on a GPU's tensor
+    cores (``tf32x3``, about fp32's accuracy; plain IEEE fp32 products spill registers on
+    sm_90 at these tiles), exact under the interpreter; else products in the inputs' dtype."""
     if IEEE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=FP32_PRECISION)
     return tl.dot(a, b)
 
 
