@@ -55,6 +55,39 @@ def test_kernel_on_cuda_matches_cpu(name: str) -> None:
     assert torch.all(outs[1][:, :, 0] == 0)  # row 0 has no memory
 
 
+FUSED_KERNELS = ["epanechnikov", "biweight", "triweight", "entmax", "relumax",
+                 "epanechnikov_fixed", "gaussian_knn", "uniform_knn"]
+
+
+@pytest.mark.parametrize("name", FUSED_KERNELS)
+def test_fused_kernels_bf16_odd_lengths_and_windows(name: str) -> None:
+    """The fused CUDA path (bf16 inputs, T 333: several tiles and a ragged one; then windows
+    of 40 entries with one bandwidth per query) against the CPU chunked path on the same
+    bf16-rounded inputs in fp32."""
+    from mosaics.ops.triton_backend import PATHS
+
+    keys, values, beta = _kernel_io(T=333, H=2, hs=64, seed=2)
+    keys, values = keys.bfloat16().float(), values.bfloat16().float()
+    kernel = get_kernel(name)
+    probe = torch.randn(values.shape)
+    results = []
+    for device in ("cpu", "cuda"):
+        k, v = (x.to(device, copy=True).requires_grad_() for x in (keys, values))
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        out = kernel(k.to(dtype), v.to(dtype), beta.to(device))
+        (out.float().cpu() * probe).sum().backward()
+        results.append((out.detach().float().cpu(), k.grad.cpu(), v.grad.cpu()))
+        if device == "cuda":
+            assert PATHS[name] == "fused", PATHS[name]
+    for cuda_x, cpu_x in zip(results[1], results[0]):
+        torch.testing.assert_close(cuda_x, cpu_x, rtol=3e-2, atol=3e-2)
+    i = torch.arange(333).view(1, -1)
+    rows_beta = torch.linspace(2.0, 9.0, 333).view(1, 1, -1).expand(1, 2, -1)
+    outs = [kernel.attend(keys.to(d), keys.to(d), values.to(d), rows_beta.to(d),
+                          (i - 40).to(d), (i - 1).to(d)).float().cpu() for d in ("cpu", "cuda")]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-3, atol=1e-3)
+
+
 ENTMAX_KERNELS = ["epanechnikov", "biweight", "triweight", "entmax"]
 needs_adasplash = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("adasplash", "triton")),
@@ -65,9 +98,11 @@ needs_adasplash = pytest.mark.skipif(
 @pytest.mark.parametrize("name", ENTMAX_KERNELS)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("T", [200])  # one length: adasplash autotunes per new length
-def test_adasplash_matches_chunked_path(name: str, precision: str, T: int) -> None:
-    """Same retrieval and gradients (keys, values, beta) through adasplash and the chunked
-    path; bf16: values in bf16 under autocast, as a bf16 linear layer hands them over."""
+def test_adasplash_matches_chunked_path(name: str, precision: str, T: int,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same retrieval and gradients (keys, values, beta) through adasplash (put first by
+    MOSAICS_ADASPLASH=1) and the chunked path (MOSAICS_FUSED=0); bf16: values in bf16 under
+    autocast, as a bf16 linear layer hands them over."""
     keys, values, beta = (x.cuda() for x in _kernel_io(T=T, H=4, hs=64, seed=1))
     if precision == "bf16":
         values = values.bfloat16()
@@ -77,6 +112,8 @@ def test_adasplash_matches_chunked_path(name: str, precision: str, T: int) -> No
     results = []
     for fused in (True, False):
         kernel.use_adasplash = fused
+        monkeypatch.setenv(adasplash_backend.ENV_SWITCH, "1" if fused else "0")
+        monkeypatch.setenv("MOSAICS_FUSED", "1" if fused else "0")
         k, v, b = (x.detach().clone().requires_grad_() for x in (keys, values, beta))
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
             out = kernel(k, v, b)
