@@ -1,6 +1,8 @@
 """Preemption of a running job: a stop signal checkpoints and exits with status 75 (one process,
-2 gloo DDP ranks, DeepSpeed ZeRO-2 on CPU), and the same command run again (the requeued job)
-continues with the losses of an uninterrupted run."""
+2 gloo DDP ranks, DeepSpeed ZeRO-2 on CPU, the ``--nproc`` launcher), and the same command run
+again (the requeued job) continues with the losses of an uninterrupted run; the ranks of a
+torchrun killed by a signal it does not handle checkpoint and free the lock; SIGKILLs at random
+moments, each followed by the same command, end with the uninterrupted losses."""
 
 from __future__ import annotations
 
