@@ -79,6 +79,14 @@ def test_gaussian_matches_float64_reference(T: int, k_top: int, offset: int) -> 
     compare(q, k, v, torch.tensor([2.0, math.exp(3)]), offset, k_top, uniform=False)
 
 
+@pytest.mark.parametrize("uniform", [False, True])
+def test_prompt_after_a_memory(uniform: bool) -> None:
+    # 20 new queries after 30 stored entries (offset 30: query i sees j <= i + 30 of 50)
+    q, k, _ = inputs(20, 50, seed=9)
+    v = inputs(50, 50, seed=10)[2]
+    compare(q, k, v, torch.tensor([3.0, 9.0]), 30, 7, uniform)
+
+
 def test_uniform_matches_float64_reference() -> None:
     q, k, v = inputs(130, 130, seed=3)
     compare(q, k, v, torch.tensor([1.0, 5.0]), -1, 8, uniform=True)
