@@ -209,13 +209,15 @@ def test_kernels_compile_for_sm90() -> None:
 
     common = {"BLOCK_M": 64, "BLOCK_N": 64, "HS_PAD": 64, "HV_PAD": 64, "HAS_BOUNDS": False}
     fwd = {**common, "SELECT_ALL": False, "LIBRARY_SORT": True, "LOG_N": 6}
+    fp32, tf32 = {"PRECISION": "ieee", "PRODUCTS": "ieee"}, {"PRECISION": "ieee",
+                                                             "PRODUCTS": "tf32"}
+    bf16 = {"PRECISION": "native", "PRODUCTS": "native"}
     cases = [
-        ("_knn_fwd", "fp32", {**fwd, "K_PAD": 16, "LOG_K": 4, "UNIFORM": False,
-                              "PRECISION": "ieee"}),
-        ("_knn_fwd", "bf16", {**fwd, "K_PAD": 4, "LOG_K": 2, "UNIFORM": True,
-                              "PRECISION": "native", "HAS_BOUNDS": True}),
-        ("_knn_bwd_dkdv", "bf16", {**common, "UNIFORM": False, "PRECISION": "native"}),
-        ("_knn_bwd_dq", "fp32", {**common, "PRECISION": "ieee"}),
+        ("_knn_fwd", "fp32", {**fwd, **fp32, "K_PAD": 16, "LOG_K": 4, "UNIFORM": False}),
+        ("_knn_fwd", "bf16", {**fwd, **bf16, "K_PAD": 4, "LOG_K": 2, "UNIFORM": True,
+                              "HAS_BOUNDS": True}),
+        ("_knn_bwd_dkdv", "bf16", {**common, **bf16, "UNIFORM": False}),
+        ("_knn_bwd_dq", "fp32", {**common, **tf32}),
     ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE_CHILD, str(knn_ops._KERNELS),

@@ -97,6 +97,9 @@ def _config(q: Tensor, v_size: int, k_top: int, S: int) -> dict:
     select_all = k_top >= S
     k_pad = 2 if select_all else _pow2(k_top, 2)
     wide = max(q.shape[-1], v_size) > 64
+    precision = "ieee" if q.dtype == torch.float32 or not q.is_cuda else "native"
+    tf32 = q.is_cuda and q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    products = "tf32" if tf32 else precision  # scores stay exact fp32 (the selection)
     if q.is_cuda:  # 64 x 64 tiles; 32-row ones for head sizes above 64 (shared memory)
         base = 32 if wide else 64
     else:
@@ -105,7 +108,7 @@ def _config(q: Tensor, v_size: int, k_top: int, S: int) -> dict:
             "num_stages": 2 if wide and q.dtype == torch.float32 else 3,  # fp32 tiles: smem
             "SELECT_ALL": select_all, "LOG_K": k_pad.bit_length() - 1,
             "LIBRARY_SORT": q.is_cuda or LIBRARY_SORT_ON_CPU,
-            "PRECISION": "ieee" if q.dtype == torch.float32 or not q.is_cuda else "native"}
+            "PRECISION": precision, "PRODUCTS": products}
 
 
 class _KNNAttention(torch.autograd.Function):

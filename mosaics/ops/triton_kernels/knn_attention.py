@@ -18,6 +18,9 @@ Per (batch x head) row block of BLOCK_M queries, over key blocks of BLOCK_N colu
   jt_i = the column of the last selected tie (-1: none). Gaussian: online softmax of
   beta (s - m) over the selected entries (m the running max); uniform: 1 / count.
 
+Scores multiply in PRECISION ("ieee" for fp32 inputs: the fp32 reference's values), the other
+products in PRODUCTS (the same, or "tf32" where PyTorch allows TF32 matmuls).
+
 Saved per row: m, l (the softmax sum, or the count), tau, jt. The backward recomputes the
 scores tile by tile with the same tiles and the same dot (so the same fp32 values) and the
 selection s > tau or (s == tau and j <= jt): ``_knn_bwd_dkdv`` per key block (dV, and dK for
@@ -32,9 +35,12 @@ import triton.language as tl
 def _dot(a, b, PRECISION: tl.constexpr):
     """a @ b with fp32 accumulation. "ieee": products in full fp32 (fp32 inputs, and every
     dtype under the interpreter, whose bf16 / fp16 dot is wrong; bf16 products are exact in
-    fp32 anyway); "native": in the inputs' dtype (bf16 / fp16 on the GPU)."""
+    fp32 anyway); "tf32": fp32 inputs as TF32; "native": in the inputs' dtype (bf16 / fp16 on
+    the GPU)."""
     if PRECISION == "ieee":
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif PRECISION == "tf32":
+        return tl.dot(a, b, input_precision="tf32")
     else:
         return tl.dot(a, b)
 
@@ -125,6 +131,7 @@ def _knn_fwd(Q, K, V, BETA, LO, HI, OUT, STATS, JT,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr,
              HS_PAD: tl.constexpr, HV_PAD: tl.constexpr, UNIFORM: tl.constexpr,
              SELECT_ALL: tl.constexpr, HAS_BOUNDS: tl.constexpr, PRECISION: tl.constexpr,
+             PRODUCTS: tl.constexpr,
              LOG_N: tl.constexpr, LOG_K: tl.constexpr, LIBRARY_SORT: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -186,14 +193,14 @@ def _knn_fwd(Q, K, V, BETA, LO, HI, OUT, STATS, JT,
         if UNIFORM:
             w = sel.to(tl.float32)
             l_i += tl.sum(w, 1)
-            acc += _dot(w.to(vt.dtype), vt, PRECISION)
+            acc += _dot(w.to(vt.dtype), vt, PRODUCTS)
         else:
             m_new = tl.maximum(m_i, tl.max(tl.where(sel, s, -inf), 1))
             m_safe = tl.where(m_new == -inf, 0.0, m_new)
             alpha = tl.exp(beta * (m_i - m_safe))
             p = tl.where(sel, tl.exp(beta * tl.where(sel, s - m_safe[:, None], 0.0)), 0.0)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PRECISION)
+            acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PRODUCTS)
             m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(OUT + bh * n * HV + rows[:, None] * HV + dv[None, :],
@@ -240,7 +247,8 @@ def _knn_bwd_dkdv(Q, K, V, BETA, LO, HI, STATS, JT, DO, DELTA, DK, DV,
                   n, S, H, HS, HV, offset, lo_stride,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HS_PAD: tl.constexpr, HV_PAD: tl.constexpr, UNIFORM: tl.constexpr,
-                  HAS_BOUNDS: tl.constexpr, PRECISION: tl.constexpr):
+                  HAS_BOUNDS: tl.constexpr, PRECISION: tl.constexpr,
+                  PRODUCTS: tl.constexpr):
     """dV = P^T dO and (gaussian) dK = (beta dZ)^T Q, dZ = P (dO V^T - delta), per key block."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -274,11 +282,11 @@ def _knn_bwd_dkdv(Q, K, V, BETA, LO, HI, STATS, JT, DO, DELTA, DK, DV,
             m, l, tau, jt, delta = _row_stats(STATS, JT, DELTA, bh, rows, n, UNIFORM)
             s = _dot(q, tl.trans(kt), PRECISION)
             sel, p = _weights(s, cols, lo, hi, m, l, tau, jt, beta, UNIFORM)
-            acc_v += _dot(tl.trans(p.to(do.dtype)), do, PRECISION)
+            acc_v += _dot(tl.trans(p.to(do.dtype)), do, PRODUCTS)
             if not UNIFORM:
-                dp = _dot(do, tl.trans(vt), PRECISION)
+                dp = _dot(do, tl.trans(vt), PRODUCTS)
                 ds = p * (dp - delta[:, None]) * beta
-                acc_k += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION)
+                acc_k += _dot(tl.trans(ds.to(q.dtype)), q, PRODUCTS)
     tl.store(DV + v_off + cols[:, None] * HV + dv[None, :], acc_v.to(DV.dtype.element_ty),
              mask=(cols[:, None] < S) & (dv[None, :] < HV))
     if not UNIFORM:
@@ -291,7 +299,8 @@ def _knn_bwd_dq(Q, K, V, BETA, LO, HI, STATS, JT, DO, DELTA, DQ, DBETA,
                 n, S, H, HS, HV, offset, lo_stride,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 HS_PAD: tl.constexpr, HV_PAD: tl.constexpr,
-                HAS_BOUNDS: tl.constexpr, PRECISION: tl.constexpr):
+                HAS_BOUNDS: tl.constexpr, PRECISION: tl.constexpr,
+                  PRODUCTS: tl.constexpr):
     """Gaussian only: dQ = (beta dZ) K and the per-row bandwidth gradient sum_j dZ_ij s_ij."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -318,10 +327,10 @@ def _knn_bwd_dq(Q, K, V, BETA, LO, HI, STATS, JT, DO, DELTA, DQ, DBETA,
         vt = tl.load(V + v_off + cols[:, None] * HV + dv[None, :],
                      mask=(cols[:, None] < S) & (dv[None, :] < HV), other=0.0)
         sel, p = _weights(s, cols, lo, hi, m, l, tau, jt, beta, False)
-        dp = _dot(do, tl.trans(vt), PRECISION)
+        dp = _dot(do, tl.trans(vt), PRODUCTS)
         dz = p * (dp - delta[:, None])
         db += tl.sum(tl.where(sel, dz * s, 0.0), 1)
-        acc += _dot((dz * beta).to(kt.dtype), kt, PRECISION)
+        acc += _dot((dz * beta).to(kt.dtype), kt, PRODUCTS)
     tl.store(DQ + q_off + rows[:, None] * HS + dk[None, :], acc.to(DQ.dtype.element_ty),
              mask=(rows[:, None] < n) & (dk[None, :] < HS))
     tl.store(DBETA + bh * n + rows, db, mask=rows < n)
