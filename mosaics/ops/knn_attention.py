@@ -187,7 +187,10 @@ def knn_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, offset: int = -
             weights instead of the softmax; lo, hi: optional (B or 1, n) integer intervals
             lo_i <= j <= hi_i replacing the strict past (``offset`` is then ignored).
     Returns:
-        (B, H, n, hv) in the values' dtype.
+        (B, H, n, hv) in the values' dtype. Products accumulate in fp32: fp32 inputs multiply
+        in full fp32 (the scores always; the others as TF32 where
+        ``torch.backends.cuda.matmul.allow_tf32``), bf16 / fp16 ones in their dtype, with the
+        weights and score gradients rounded to it before their products (as flash attention).
     """
     _check(q, k, v, beta, k_top, lo, hi)
     dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
