@@ -84,6 +84,21 @@ def _biased(c, bias, t, j, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
+def _row_bounds(LO, HI, offsets, row_ok, S):
+    """The rows' visible columns lo..hi, clipped to 0..S-1 (hi < lo: none)."""
+    lo = tl.maximum(tl.load(LO + offsets, mask=row_ok, other=0), 0)
+    hi = tl.minimum(tl.load(HI + offsets, mask=row_ok, other=-1), S - 1)
+    return lo, hi
+
+
+@triton.jit
+def _u(c, a, m, shift, lo, hi, j):
+    """u = [a (c - m) - shift]_+ on the visible entries (lo <= j <= hi), 0 elsewhere."""
+    vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
+    return tl.where(vis, tl.maximum(a[:, None] * (c - m[:, None]) - shift[:, None], 0.0), 0.0)
+
+
+@triton.jit
 def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG,
                sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, so_bh, so_n, s_lo_b,
                H, n, S, D, DV, r, shift_const, anchor_const, tol, pos0,
@@ -104,15 +119,12 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG,
 
     q = tl.load(Q + bh * sq_bh + rows[:, None] * sq_n + dd[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    lo = tl.load(LO + batch * s_lo_b + rows, mask=row_ok, other=0)
-    hi = tl.load(HI + batch * s_lo_b + rows, mask=row_ok, other=-1)
-    lo = tl.maximum(lo, 0)
-    hi = tl.minimum(hi, S - 1)
+    lo, hi = _row_bounds(LO, HI, batch * s_lo_b + rows, row_ok, S)
     a = tl.load(A + bh * n + rows, mask=row_ok, other=0.0)
     bias = tl.load(BIAS + bh * n + rows, mask=row_ok, other=0.0)  # read if HAS_BIAS
     t = rows + pos0
     start = (tl.min(tl.where(row_ok & (hi >= lo), lo, S), axis=0) // BLOCK_N) * BLOCK_N
-    end = tl.max(tl.where(row_ok, hi, -1), axis=0) + 1
+    end = tl.max(tl.where(row_ok, hi, -1), axis=0) + 1  # key blocks [start, end) seen
     k_base = K + bh * sk_bh + dd[None, :]
 
     # the anchor m: the row max of the visible scores, or a constant
@@ -146,9 +158,7 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG,
                 j = j0 + cols
                 c = _biased(_scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE), bias, t, j,
                         HAS_BIAS)
-                vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
-                d = tl.where(vis, tl.maximum(a[:, None] * (c - m[:, None]) - tau[:, None],
-                                             0.0), 0.0)
+                d = _u(c, a, m, tau, lo, hi, j)
                 f += tl.sum(_power(d, R_KIND, r), axis=1)
                 s += tl.sum(_power_m1(d, R_KIND, r), axis=1)
             # g(tau) = f^(1/r) - 1; Newton: tau += (f - f^(1 - 1/r)) / s
@@ -167,8 +177,7 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG,
         j = j0 + cols
         c = _biased(_scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE), bias, t, j,
                     HAS_BIAS)
-        vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
-        u = tl.where(vis, tl.maximum(a[:, None] * (c - m[:, None]) - shift[:, None], 0.0), 0.0)
+        u = _u(c, a, m, shift, lo, hi, j)
         if _any_positive(u):  # a tile outside every row's support adds nothing
             p = _power(u, R_KIND, r)
             total += tl.sum(p, axis=1)
@@ -207,8 +216,7 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     g = tl.load(G + bh * sg_bh + rows[:, None] * sg_n + dv[None, :],
                 mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
-    lo = tl.maximum(tl.load(LO + batch * s_lo_b + rows, mask=row_ok, other=0), 0)
-    hi = tl.minimum(tl.load(HI + batch * s_lo_b + rows, mask=row_ok, other=-1), S - 1)
+    lo, hi = _row_bounds(LO, HI, batch * s_lo_b + rows, row_ok, S)
     stat = bh * n + rows
     a = tl.load(A + stat, mask=row_ok, other=0.0)
     m = tl.load(M + stat, mask=row_ok, other=0.0)
@@ -217,7 +225,7 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
     bias = tl.load(BIAS + stat, mask=row_ok, other=0.0)
     t = rows + pos0
     start = (tl.min(tl.where(row_ok & (hi >= lo), lo, S), axis=0) // BLOCK_N) * BLOCK_N
-    end = tl.max(tl.where(row_ok, hi, -1), axis=0) + 1
+    end = tl.max(tl.where(row_ok, hi, -1), axis=0) + 1  # key blocks [start, end) seen
     k_base = K + bh * sk_bh + dd[None, :]
     v_base = V + bh * sv_bh + dv[None, :]
 
@@ -228,9 +236,7 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
             j = j0 + cols
             cs = _biased(_scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE), bias, t,
                          j, HAS_BIAS)
-            vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
-            u = tl.where(vis, tl.maximum(a[:, None] * (cs - m[:, None]) - shift[:, None], 0.0),
-                         0.0)
+            u = _u(cs, a, m, shift, lo, hi, j)
             if _any_positive(u):
                 h = _power_m1(u, R_KIND, r)
                 v = tl.load(v_base + j[:, None] * sv_n, mask=(j[:, None] < S) & dv_ok[None, :],
@@ -250,8 +256,7 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
         j = j0 + cols
         k = tl.load(k_base + j[:, None] * sk_n, mask=(j[:, None] < S) & d_ok[None, :], other=0.0)
         cs = _biased(_dot(q, tl.trans(k), IEEE), bias, t, j, HAS_BIAS)
-        vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
-        u = tl.where(vis, tl.maximum(a[:, None] * (cs - m[:, None]) - shift[:, None], 0.0), 0.0)
+        u = _u(cs, a, m, shift, lo, hi, j)
         if _any_positive(u):
             h = _power_m1(u, R_KIND, r)
             v = tl.load(v_base + j[:, None] * sv_n, mask=(j[:, None] < S) & dv_ok[None, :],
@@ -296,8 +301,7 @@ def _power_bwd_dkv(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, INV, QB_FIRS
     for qb in range(first, last + 1):
         rows = qb * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n
-        lo = tl.maximum(tl.load(LO + batch * s_lo_b + rows, mask=row_ok, other=0), 0)
-        hi = tl.minimum(tl.load(HI + batch * s_lo_b + rows, mask=row_ok, other=-1), S - 1)
+        lo, hi = _row_bounds(LO, HI, batch * s_lo_b + rows, row_ok, S)
         q = tl.load(Q + bh * sq_bh + rows[:, None] * sq_n + dd[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         g = tl.load(G + bh * sg_bh + rows[:, None] * sg_n + dv[None, :],
@@ -311,8 +315,7 @@ def _power_bwd_dkv(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, INV, QB_FIRS
         inv = tl.load(INV + stat, mask=row_ok, other=0.0)
         bias = tl.load(BIAS + stat, mask=row_ok, other=0.0)
         cs = _biased(_dot(q, tl.trans(k), IEEE), bias, rows + pos0, j, HAS_BIAS)
-        vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None]) & j_ok[None, :]
-        u = tl.where(vis, tl.maximum(a[:, None] * (cs - m[:, None]) - shift[:, None], 0.0), 0.0)
+        u = _u(cs, a, m, shift, lo, hi, j)  # hi <= S - 1: columns past the keys are not seen
         if _any_positive(u):
             p = _power(u, R_KIND, r) * inv[:, None]
             dvv += _dot(tl.trans(p).to(g.dtype), g, IEEE)
