@@ -56,7 +56,10 @@ def triton_available(cpu: bool = False) -> str | None:
         import triton.language  # noqa: F401
     except Exception as err:  # noqa: BLE001 - any import failure means no fused path
         return f"triton is not importable ({type(err).__name__}: {err}); pip install triton"
-    if cpu and not triton.knobs.runtime.interpret:
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; earlier, the environment says
+    interpreting = (bool(knobs.runtime.interpret) if knobs is not None
+                    else os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+    if cpu and not interpreting:
         return ("triton was imported without its interpreter: start Python with "
                 "TRITON_INTERPRET=1 to run the fused kernels on CPU tensors")
     return None

@@ -20,11 +20,15 @@ Backward (dx = kappa h (dp - c), h = u^(r-1), dp_ij = g_i . v_j):
   dv_j = sum_i (p_ij / N_i) g_i and dk_j = sum_i a_i dx_ij q_i.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
-FP32_PRECISION: tl.constexpr = tl.constexpr(
-    "ieee" if triton.knobs.runtime.interpret else "tf32x3")
+_knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; earlier, the environment says
+_INTERPRETING = (bool(_knobs.runtime.interpret) if _knobs is not None
+                 else os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+FP32_PRECISION: tl.constexpr = tl.constexpr("ieee" if _INTERPRETING else "tf32x3")
 
 
 @triton.jit
