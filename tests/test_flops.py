@@ -67,3 +67,13 @@ def test_progress_line_shows_tokens_per_second_and_mfu() -> None:
     assert speed_postfix({"tokens_per_s": 12345.6, "mfu": 0.4217}) == {"tok/s": "12,346",
                                                                        "mfu": "42.2%"}
     assert speed_postfix({"lr": 1.0}) == {}
+
+
+def test_measuring_the_cpu_peak_leaves_the_global_random_state_alone():
+    """The run owns the global generator (dropout, data order, a resume's restored state)."""
+    from mosaics.training.flops import measured_cpu_peak
+
+    measured_cpu_peak.cache_clear()
+    before = torch.random.get_rng_state()
+    assert measured_cpu_peak(torch.float32, n=64, repeats=1) > 0
+    assert torch.equal(torch.random.get_rng_state(), before)

@@ -112,9 +112,11 @@ def gpu_peak(name: str, dtype: torch.dtype) -> float | None:
 @functools.cache
 def measured_cpu_peak(dtype: torch.dtype = torch.float32, n: int = 1024,
                       repeats: int = 5) -> float:
-    """Best-of matmul FLOP/s of this CPU in ``dtype`` with the current thread count."""
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
+    """Best-of matmul FLOP/s of this CPU in ``dtype`` with the current thread count. Its own
+    random generator: the global one belongs to the run (a resumed run must draw the same)."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=g).to(dtype)
+    b = torch.randn(n, n, generator=g).to(dtype)
     a @ b
     best = float("inf")
     for _ in range(repeats):
