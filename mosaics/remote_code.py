@@ -15,7 +15,7 @@ from pathlib import Path
 PACKAGE_DIR = Path(__file__).resolve().parent
 TOP_LEVEL = ["configuration_mosaics.py", "modeling_mosaics.py", "memory.py", "positions.py",
              "cache.py", "compilation.py", "remote_code.py"]
-SUBPACKAGES = ["kernels", "ops"]
+SUBPACKAGES = ["kernels", "ops", "ops/triton_kernels"]  # the last: the fused kernels' sources
 
 
 def _flat_name(rel: Path) -> str:
@@ -43,7 +43,7 @@ def flat_sources() -> dict[str, str]:
     for sub in SUBPACKAGES:
         for path in sorted((PACKAGE_DIR / sub).glob("*.py")):
             rel = path.relative_to(PACKAGE_DIR)
-            files[f"{_flat_name(rel)}.py"] = _rewrite(path.read_text(), sub)
+            files[f"{_flat_name(rel)}.py"] = _rewrite(path.read_text(), sub.replace("/", "_"))
     return files
 
 

@@ -294,3 +294,30 @@ def test_model_training_step_equals_the_chunked_one(name, v2, tiny_config, monke
     torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-6)
     for a, b in zip(runs[0][1], runs[1][1]):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_remote_code_carries_the_kernel_sources(tmp_path, monkeypatch):
+    """A saved model's flat code (``trust_remote_code`` without the package) holds the Triton
+    sources, and its flat op modules find and run them."""
+    import importlib.util
+    import sys
+
+    from mosaics.remote_code import save_model_code
+
+    written = save_model_code(tmp_path)
+    for name in ("power_attention", "knn_attention", "linear_attention"):
+        assert f"ops_triton_kernels_{name}.py" in written
+    (tmp_path / "__init__.py").write_text("")
+    spec = importlib.util.spec_from_file_location("flat_model_code", tmp_path / "__init__.py",
+                                                  submodule_search_locations=[str(tmp_path)])
+    package = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "flat_model_code", package)
+    spec.loader.exec_module(package)
+    flat = importlib.import_module("flat_model_code.ops_power_attention")
+    assert tmp_path / "ops_triton_kernels_power_attention.py" == flat.KERNELS
+    q, k, v = inputs(1, 1, 9, 9, 16, seed=13)
+    lo, hi = past(9)
+    a = torch.full((1, 9), 4.0)
+    got = flat.power_attention(q.float(), k.float(), v.float(), a, lo, hi, r=1.0, entmax=True)
+    want = power_attention_reference(q, k, v, a.double(), lo, hi, r=1.0, entmax=True)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)

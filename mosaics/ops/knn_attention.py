@@ -20,15 +20,14 @@ is the dense PyTorch form (a (n, S) score matrix per head).
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .triton_backend import triton_module
+from .triton_backend import kernel_source, triton_module
 
-_KERNELS = Path(__file__).parent / "triton_kernels" / "knn_attention.py"
+_KERNELS = kernel_source(__file__, "knn_attention")
 MAX_K = 64  # the largest k with a top-k tile (k >= the key count needs none)
 MAX_HEAD = 128  # the largest head size (queries / keys and values)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -25,16 +25,15 @@ enter a product (as flash attention rounds its probabilities).
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import ModuleType
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .triton_backend import fused_reason, triton_module
+from .triton_backend import fused_reason, kernel_source, triton_module
 
-KERNEL_FILE = Path(__file__).resolve().parent / "triton_kernels" / "linear_attention.py"
+KERNEL_FILE = kernel_source(__file__, "linear_attention")
 CHUNK = 64  # rows per chunk of the fused kernels
 MAX_VALUE_DIM = 128  # a chunk's (C, D) blocks stay in registers and shared memory
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -24,15 +24,13 @@ off by ~1e-3 beta).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .triton_backend import triton_module
+from .triton_backend import kernel_source, triton_module
 
-KERNELS = Path(__file__).parent / "triton_kernels" / "power_attention.py"
+KERNELS = kernel_source(__file__, "power_attention")
 NEWTON_STEPS = 30  # cap on the threshold's Newton passes (r >= 1: monotone, 3-6 measured)
 NEWTON_TOL = 1e-6  # a Newton step below this (scores are O(beta)) ends the passes
 

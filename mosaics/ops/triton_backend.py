@@ -98,6 +98,15 @@ def fused_expected(*tensors: Tensor) -> bool:
     return setting == "always" or (setting == "auto" and tensors[0].device.type == "cuda")
 
 
+def kernel_source(module_file: str, name: str) -> Path:
+    """The Triton source ``name`` of the op module at ``module_file``: ``triton_kernels/
+    <name>.py`` beside it in the package, or ``ops_triton_kernels_<name>.py`` beside a flat
+    copy of the model code (``trust_remote_code``, :mod:`mosaics.remote_code`)."""
+    here = Path(module_file).resolve().parent
+    packaged = here / "triton_kernels" / f"{name}.py"
+    return packaged if packaged.exists() else here / f"ops_triton_kernels_{name}.py"
+
+
 @functools.cache
 def _load(path: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"mosaics.ops._triton_{Path(path).stem}", path)
