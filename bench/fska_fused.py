@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -31,28 +28,8 @@ from mosaics import get_kernel  # noqa: E402
 from mosaics.ops import causal_linear_attention  # noqa: E402
 from mosaics.ops.triton_backend import PATHS  # noqa: E402
 
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], object], device: str, warmup: int, repeats: int) -> tuple[float,
-                                                                                     float | None]:
-    """(median ms, peak MB on CUDA) of ``fn`` (one forward + backward)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else None
-    return 1e3 * statistics.median(times), peak
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import timed_on  # noqa: E402
 
 
 def kernel_step(kernel: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor,
@@ -79,15 +56,16 @@ def measure(T: int, args: argparse.Namespace) -> None:
     fska.build(H, hs)
     fska = fska.to(dev).train()
     io = (keys, values, beta)
-    rows = {"gaussian": timed(partial(kernel_step, gaussian, *io), dev, args.warmup, args.repeats),
-            "fska": timed(partial(kernel_step, fska, *io), dev, args.warmup, args.repeats)}
+    reps = (dev, args.warmup, args.repeats)
+    rows = {"gaussian": timed_on(partial(kernel_step, gaussian, *io), *reps),
+            "fska": timed_on(partial(kernel_step, fska, *io), *reps)}
     path = PATHS.get("fska", "?")
-    rows["fused op"] = timed(partial(op_step, feats, values), dev, args.warmup, args.repeats)
+    rows["fused op"] = timed_on(partial(op_step, feats, values), dev, args.warmup, args.repeats)
     switch = os.environ.get("MOSAICS_FUSED")
     os.environ["MOSAICS_FUSED"] = "0"
     try:
         if args.max_chunked >= T:
-            rows["fska chunked"] = timed(partial(kernel_step, fska, *io), dev, args.warmup,
+            rows["fska chunked"] = timed_on(partial(kernel_step, fska, *io), dev, args.warmup,
                                          args.repeats)
         with torch.no_grad():
             chunked = fska.eval()(*io)

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -31,30 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mosaics import get_kernel  # noqa: E402
 from mosaics.ops.triton_backend import PATHS  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import timed_on  # noqa: E402
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], object], device: str, warmup: int,
-          repeats: int) -> tuple[float, float | None]:
-    """(median ms, peak MB on CUDA) of ``fn`` (one forward + backward)."""
-    for _ in range(warmup):
-        fn()
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else None
-    return 1e3 * statistics.median(times), peak
 
 
 def step(kernel: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor,
@@ -92,12 +69,12 @@ def measure(T: int, dname: str, args: argparse.Namespace) -> None:
     keys, values = keys.to(dev, DTYPES[dname]), values.to(dev, DTYPES[dname])
     beta = torch.full((H,), 7.39, device=dev)
     io = (keys, values, beta)
-    base, _ = timed(partial(step, get_kernel("gaussian").to(dev), *io), dev, args.warmup,
+    base, _ = timed_on(partial(step, get_kernel("gaussian").to(dev), *io), dev, args.warmup,
                     args.repeats)
     print(f"{dname:>5} {T:>6} {'gaussian':>20} {base:>9.2f} {1.0:>12.2f} {'-':>9}")
     for name in ("gaussian_knn", "uniform_knn"):
         kernel = get_kernel(name, k=args.k).to(dev)
-        ms, peak = timed(partial(step, kernel, *io), dev, args.warmup, args.repeats)
+        ms, peak = timed_on(partial(step, kernel, *io), dev, args.warmup, args.repeats)
         path = PATHS.get(name, "?")
         mem = f"{peak:.0f}" if peak is not None else "-"
         print(f"{dname:>5} {T:>6} {name:>20} {ms:>9.2f} {ms / base:>12.2f} {mem:>9}  {path}")
@@ -105,7 +82,7 @@ def measure(T: int, dname: str, args: argparse.Namespace) -> None:
             continue
         fused = step(kernel, *io)
         with fused_switch("0"):
-            ms, _ = timed(partial(step, kernel, *io), dev, args.warmup, args.repeats)
+            ms, _ = timed_on(partial(step, kernel, *io), dev, args.warmup, args.repeats)
             chunked = step(kernel, *io)
         diffs = ", ".join(
             f"{label} {((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item():.1e}"

@@ -52,3 +52,27 @@ def summarize(times: Sequence[float], clock: Clock) -> float:
     """The fastest time with the CPU clock (load only adds to it), the median with the wall
     clock (robust to a few slow outliers)."""
     return min(times) if clock is time.process_time else statistics.median(times)
+
+
+def sync(device: str) -> None:
+    """Wait for the device's queued work (CUDA); nothing on CPU."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed_on(fn: Callable[[], object], device: str, warmup: int,
+             repeats: int) -> tuple[float, float | None]:
+    """(median ms, peak MB on CUDA) of ``fn`` on ``device``, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else None
+    return 1e3 * statistics.median(times), peak
