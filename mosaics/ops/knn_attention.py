@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .triton_backend import kernel_source, triton_module
+from .triton_backend import cdiv, kernel_source, pow2_at_least, triton_module
 
 _KERNELS = kernel_source(__file__, "knn_attention")
 MAX_K = 64  # the largest k with a top-k tile (k >= the key count needs none)
@@ -36,14 +36,6 @@ _INTERPRETED_BLOCK = 64  # tiles under the interpreter (CPU tensors)
 # its integer reductions run element by element, the same network from min / max
 # (which the compiler in turn handles badly). True also runs Triton's under the interpreter.
 LIBRARY_SORT_ON_CPU = False
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(x: int, least: int) -> int:
-    return max(least, 1 << max(0, x - 1).bit_length())
 
 
 def knn_unsupported(q: Tensor, k: Tensor, v: Tensor, k_top: int) -> str | None:
@@ -94,7 +86,7 @@ def _config(q: Tensor, v_size: int, k_top: int, S: int) -> dict:
     """Block sizes and flags shared by the forward and backward kernels (the backward must
     recompute the forward's scores bit for bit, so it uses the same tiles)."""
     select_all = k_top >= S
-    k_pad = 2 if select_all else _pow2(k_top, 2)
+    k_pad = 2 if select_all else pow2_at_least(k_top, 2)
     wide = max(q.shape[-1], v_size) > 64
     precision = "ieee" if q.dtype == torch.float32 or not q.is_cuda else "native"
     tf32 = q.is_cuda and q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
@@ -128,11 +120,11 @@ class _KNNAttention(torch.autograd.Function):
         stats = torch.empty(B * H, 3, n, dtype=torch.float32, device=q.device)
         jt = torch.empty(B * H, n, dtype=torch.int32, device=q.device)
         if n > 0 and B * H > 0:
-            grid = (_cdiv(n, cfg["BLOCK_M"]), B * H)
+            grid = (cdiv(n, cfg["BLOCK_M"]), B * H)
             with _on_device(q):
                 mod._knn_fwd[grid](
                     q, k, v, b32, lo32, hi32, out, stats, jt, n, S, H, hs, hv, int(offset),
-                    k_top, lo_stride, HS_PAD=_pow2(hs, 16), HV_PAD=_pow2(hv, 16),
+                    k_top, lo_stride, HS_PAD=pow2_at_least(hs, 16), HV_PAD=pow2_at_least(hv, 16),
                     UNIFORM=bool(uniform), HAS_BOUNDS=bounds,
                     LOG_N=cfg["BLOCK_N"].bit_length() - 1, **cfg)
         ctx.save_for_backward(q, k, v, beta, out, stats, jt, lo32, hi32)
@@ -150,7 +142,7 @@ class _KNNAttention(torch.autograd.Function):
         cfg = _config(q, hv, k_top, S)
         for key in ("K_PAD", "SELECT_ALL", "LOG_K", "LIBRARY_SORT"):
             cfg.pop(key)
-        pads = {"HS_PAD": _pow2(hs, 16), "HV_PAD": _pow2(hv, 16)}
+        pads = {"HS_PAD": pow2_at_least(hs, 16), "HV_PAD": pow2_at_least(hv, 16)}
         g = grad_out.to(v.dtype).contiguous()
         b32 = beta.detach().to(torch.float32).contiguous()
         delta = (g.float() * out.float()).sum(-1).contiguous()  # sum_j p_ij dp_ij
@@ -162,12 +154,12 @@ class _KNNAttention(torch.autograd.Function):
             return dq, torch.zeros_like(k), torch.zeros_like(v), dbeta, *(None,) * 5
         common = (n, S, H, hs, hv, offset, lo_stride)
         with _on_device(q):
-            mod._knn_bwd_dkdv[(_cdiv(S, cfg["BLOCK_N"]), B * H)](
+            mod._knn_bwd_dkdv[(cdiv(S, cfg["BLOCK_N"]), B * H)](
                 q, k, v, b32, lo32, hi32, stats, jt, g, delta, dk, dv, *common,
                 UNIFORM=uniform, HAS_BOUNDS=bounds, **pads, **cfg)
             if not uniform:
                 drow = torch.empty(B * H, n, dtype=torch.float32, device=q.device)
-                mod._knn_bwd_dq[(_cdiv(n, cfg["BLOCK_M"]), B * H)](
+                mod._knn_bwd_dq[(cdiv(n, cfg["BLOCK_M"]), B * H)](
                     q, k, v, b32, lo32, hi32, stats, jt, g, delta, dq, drow, *common,
                     HAS_BOUNDS=bounds, **pads, **cfg)
                 dbeta = drow.view(B, H, n).sum((0, 2)).to(beta.dtype)

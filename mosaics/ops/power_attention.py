@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .triton_backend import kernel_source, triton_module
+from .triton_backend import cdiv, kernel_source, pow2_at_least, triton_module
 
 KERNELS = kernel_source(__file__, "power_attention")
 NEWTON_STEPS = 30  # cap on the threshold's Newton passes (r >= 1: monotone, 3-6 measured)
@@ -47,16 +47,12 @@ def _blocks(device: torch.device, d: int, dv: int,
     8 warps (64 x 32 for head sizes above 64) use 189-235 registers and no stack in all three
     kernels; fp32 (three TF32 products per product) spills least at 64 x 32 with 8 warps (16,
     200 and 480 bytes of stack at head size 64; 64 x 64 with 4 warps: 848-1656)."""
-    bd = max(16, triton_next_pow2(d))
-    bdv = max(16, triton_next_pow2(dv))
+    bd = pow2_at_least(d, 16)
+    bdv = pow2_at_least(dv, 16)
     if device.type != "cuda":
         return 32, 32, bd, bdv, 1  # the interpreter: fewer, larger numpy operations
     wide = dtype == torch.float32 or max(bd, bdv) > 64
     return 64, 32 if wide else 64, bd, bdv, 8
-
-
-def triton_next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 def _ieee(dtype: torch.dtype, device: torch.device) -> bool:
@@ -64,10 +60,6 @@ def _ieee(dtype: torch.dtype, device: torch.device) -> bool:
     (CPU tensors), whose bf16/fp16 ``tl.dot`` is wrong (bf16 products are exact in fp32, so
     upcasting first changes only the summation order)."""
     return dtype == torch.float32 or device.type != "cuda"
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _row_bounds(lo: Tensor, hi: Tensor, S: int) -> tuple[Tensor, Tensor]:
@@ -118,7 +110,7 @@ class _PowerAttention(torch.autograd.Function):
         arg = torch.zeros(B * H, n, dtype=torch.int32, device=q.device)
         if n and S:
             mod = triton_module(KERNELS)
-            mod._power_fwd[(_cdiv(n, bm), B * H)](
+            mod._power_fwd[(cdiv(n, bm), B * H)](
                 qf, kf, vf, af, bf, lo_i, hi_i, out, stats[0], stats[1], stats[2], arg,
                 qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0),
                 vf.stride(1), out.stride(0), out.stride(1),
@@ -160,11 +152,11 @@ class _PowerAttention(torch.autograd.Function):
             consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": bd, "BLOCK_DV": bdv,
                       "R_KIND": _r_kind(r), "IEEE": _ieee(dt, qf.device), "HAS_BIAS": has_bias,
                       "num_warps": warps}
-            mod._power_bwd_dq[(_cdiv(n, bm), BH)](
+            mod._power_bwd_dq[(cdiv(n, bm), BH)](
                 qf, kf, vf, g, af, bf, lo_i, hi_i, m, shift, kappa, c, dq, rsum, rsumj, *common,
                 H, n, S, D, DV, float(r), pos0, SOLVE=entmax, **consts)
             first, last = _query_blocks(lo_i, hi_i, S, bm, bn)
-            mod._power_bwd_dkv[(_cdiv(S, bn), BH)](
+            mod._power_bwd_dkv[(cdiv(S, bn), BH)](
                 qf, kf, vf, g, af, bf, lo_i, hi_i, m, shift, kappa, c, inv, first, last, dk, dv,
                 *common, first.stride(0) if first.shape[0] > 1 else 0,
                 H, n, S, D, DV, float(r), first.shape[1], pos0, **consts)

@@ -98,6 +98,16 @@ def fused_expected(*tensors: Tensor) -> bool:
     return setting == "always" or (setting == "auto" and tensors[0].device.type == "cuda")
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b): the launch grid over blocks of b."""
+    return -(-a // b)
+
+
+def pow2_at_least(x: int, least: int) -> int:
+    """The smallest power of two >= max(x, least) (Triton block sizes)."""
+    return max(least, 1 << max(0, int(x) - 1).bit_length())
+
+
 def kernel_source(module_file: str, name: str) -> Path:
     """The Triton source ``name`` of the op module at ``module_file``: ``triton_kernels/
     <name>.py`` beside it in the package, or ``ops_triton_kernels_<name>.py`` beside a flat
