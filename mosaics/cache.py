@@ -11,7 +11,7 @@ tensor of a state has the batch as dimension 0, so beam search reorders it with 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, is_dataclass, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -41,6 +41,113 @@ class PersistentWeights(NamedTuple):
     values: Tensor
 
 
+MIN_MEMORY_BUFFER = 64  # entries preallocated by the first append
+MEMORY_HEADROOM = 4  # a full buffer grows by 1/4 of the needed length (at least the minimum)
+
+
+@dataclass
+class FeatureSums:
+    """A linear-attention kernel's running sums over feature-mapped keys g(k_j) (FSKA).
+
+    Attributes:
+        S: (B, H, M', hv) sum_j g(k_j) v_j^T.
+        z: (B, H, M') sum_j g(k_j).
+        r: (B, H, M) exp map only: the per-feature running max of the keys' log g, relative
+            to which S and z are kept; None for elu1.
+        lo, hi: (B,) absolute positions of the first and last entry the sums hold, when they
+            cover a query's visible interval (``Kernel.attend_step``); None when they hold
+            every entry so far (the strict past, ``Kernel.extend``).
+    """
+
+    S: Tensor
+    z: Tensor
+    r: Tensor | None = None
+    lo: Tensor | None = None
+    hi: Tensor | None = None
+
+
+@dataclass
+class KernelMemory:
+    """A contextual memory's entries while decoding, and a kernel's running sums over them.
+
+    Attributes:
+        keys, values: (B, H, S, hs) unit keys and values of the entries held (at absolute
+            positions ``MemoryState.base`` ..), views of buffers that :meth:`append` fills in
+            place.
+        sums: a kernel's running sums (:class:`FeatureSums`), or None.
+    """
+
+    keys: Tensor
+    values: Tensor
+    sums: FeatureSums | None = None
+    # (keys, values) buffers whose first S entries are the views above; None: not ours
+    buffers: tuple[Tensor, Tensor] | None = field(default=None, init=False, repr=False,
+                                                  compare=False)
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, head_size: int, device: torch.device,
+              dtype: torch.dtype) -> KernelMemory:
+        shape = (batch, heads, 0, head_size)
+        return cls(torch.zeros(shape, device=device, dtype=dtype),
+                   torch.zeros(shape, device=device, dtype=dtype))
+
+    def __len__(self) -> int:
+        return self.keys.shape[2]
+
+    def append(self, keys: Tensor, values: Tensor) -> KernelMemory:
+        """The entries held followed by (B, H, m, hs) new ones (sums kept as they are).
+
+        The result's keys and values are views of the first S + m entries of preallocated
+        (B, H, capacity, hs) buffers. When this memory's buffers have room, the new entries
+        are copied behind the held ones (O(m)); otherwise buffers of 5/4 of the needed
+        length are allocated, so appending one entry at a time copies amortised O(1) (at
+        most 5) entries per step, while a long prompt's memory grows by a quarter, not
+        double, at the first decoding step. This memory keeps its length, but the buffers'
+        entries behind it now belong to the result: to continue one memory in two ways,
+        ``copy.deepcopy`` it first. With gradients flowing into the entries it concatenates.
+        """
+        if torch.is_grad_enabled() and any(t.requires_grad for t in
+                                           (self.keys, self.values, keys, values)):
+            return replace(self, keys=torch.cat([self.keys, keys], 2),
+                           values=torch.cat([self.values, values], 2))
+        n, m = len(self), keys.shape[2]
+        buffers = self.buffers
+        if not (buffers is not None and _holds(buffers[0], self.keys, n + m)
+                and _holds(buffers[1], self.values, n + m)):
+            headroom = max((n + m) // MEMORY_HEADROOM, MIN_MEMORY_BUFFER)
+            buffers = tuple(_grown(t, n + m + headroom) for t in (self.keys, self.values))
+        for buf, new in zip(buffers, (keys, values)):
+            buf.narrow(2, n, m).copy_(new)
+        out = replace(self, keys=buffers[0].narrow(2, 0, n + m),
+                      values=buffers[1].narrow(2, 0, n + m))
+        out.buffers = buffers
+        return out
+
+    def drop_last(self) -> KernelMemory:
+        """Without the last entry (a prompt's v_{n-1} waits for x_n)."""
+        return replace(self, keys=self.keys[:, :, :-1], values=self.values[:, :, :-1])
+
+    def drop_first(self, count: int) -> KernelMemory:
+        """Without the first ``count`` entries: views of the kept ones, which move to fresh
+        buffers at the next :meth:`append`."""
+        return replace(self, keys=self.keys[:, :, count:], values=self.values[:, :, count:])
+
+
+def _grown(stored: Tensor, capacity: int) -> Tensor:
+    """A (B, H, capacity, D) buffer starting with the (B, H, n, D) entries ``stored``."""
+    B, H, n, D = stored.shape
+    buffer = stored.new_empty(B, H, capacity, D)
+    buffer.narrow(2, 0, n).copy_(stored)
+    return buffer
+
+
+def _holds(buffer: Tensor, stored: Tensor, length: int) -> bool:
+    """Whether ``stored`` is the start of ``buffer`` and the buffer has ``length`` entries."""
+    return (buffer.shape[2] >= length and stored.data_ptr() == buffer.data_ptr()
+            and stored.stride() == buffer.stride() and stored.shape[3] == buffer.shape[3]
+            and stored.shape[:2] == buffer.shape[:2])
+
+
 @dataclass
 class MemoryState:
     """One contextual memory while decoding.
@@ -49,8 +156,8 @@ class MemoryState:
         kbar: (B, H, hs) running key sum.
         key: (B, H, 1, hs) unit key of the last token (its entry joins with the next token).
         v_raw: (B, H, 1, hs) raw value of the last token.
-        memory: the kernel's state (``Kernel.init_state``); under visible intervals the
-            entries base .. base + len - 1 as ``{"keys", "values"}``.
+        memory: the entries base .. base + len - 1 and a kernel's running sums
+            (``Kernel.memory_of``, ``Kernel.extend``, ``Kernel.attend_step``).
         base: absolute position of the first entry held in ``memory``.
         weights: the parameters in step form.
     """
@@ -58,7 +165,7 @@ class MemoryState:
     kbar: Tensor
     key: Tensor
     v_raw: Tensor
-    memory: dict[str, Tensor]
+    memory: KernelMemory
     base: int
     weights: ContextualWeights
 
@@ -102,9 +209,9 @@ def _map_tensors(obj: Any, fn) -> Any:
         return {k: _map_tensors(v, fn) for k, v in obj.items()}
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return tuple(_map_tensors(v, fn) for v in obj)
-    if is_dataclass(obj) and not isinstance(obj, type):
+    if is_dataclass(obj) and not isinstance(obj, type):  # fields outside __init__ (buffers) reset
         return replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn)
-                               for f in fields(obj)})
+                               for f in fields(obj) if f.init})
     return obj
 
 

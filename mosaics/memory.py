@@ -33,20 +33,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .cache import BankState, ContextualWeights, MemoryState, PersistentWeights
-from .compilation import compiling, eager_boundary, kernel_traceable
+from .cache import ContextualWeights, MemoryState
 from .configuration_mosaics import MosaicsConfig
 from .kernels import Kernel, get_kernel
-from .kernels.base import append_memory
-from .kernels.position_bias import alibi_slopes, biased_retrieval, supports_score_bias
-from .ops import bank_attention, decay_rate, leaky_average, lookahead_values, unit_vectors
-from .positions import Positions, visible_interval
+from .kernels.position_bias import alibi_slopes, supports_score_bias
+from .ops import decay_rate, leaky_average, lookahead_values, unit_vectors
+from .positions import Positions
+from .recall import Visibility, recall
 
 EXP_SCALE = 10.0  # per-head scalars are stored divided by this (the reference's exp_param_scale)
 BETA_LOG_CAP = 5.0  # beta = exp(2 * min(10 b, 5)) <= e^10
 THETA_CAP = 10.0  # adaptive bandwidth: beta0, beta1 <= e^10
 NORM_EPS = 1e-6
 LEVELS = ("all", "short", "long")
+_STRICT_PAST = Visibility()
 
 
 def bandwidth(b: Tensor) -> Tensor:
@@ -229,29 +229,9 @@ class ContextualMemory(nn.Module):
         else:  # entries p0 - 1 .. p0 + n - 2
             values = lookahead_values(v_raw, w.mix, state.v_raw, NORM_EPS)
             entry_keys = state.key if n == 1 else torch.cat([state.key, keys[:, :, :-1]], 2)
-        padded = pos is not None and pos.doc_starts is not None and not self.intervals
-        if self.intervals or (padded and not self.alibi):
-            y, memory, base = self.attend(keys, entry_keys, values, w, pos, state, use_cache)
-        elif padded:  # ALiBi over the entries of each query's document
-            memory = ({"keys": entry_keys, "values": values} if state is None
-                      else append_memory(state.memory, entry_keys, values))
-            y, base = self.biased_documents(keys, memory, w.beta, pos), 0
-            if use_cache and state is None:  # v_{n-1} waits for x_n
-                memory = {k: t[:, :, :-1] for k, t in memory.items()}
-        elif state is None:
-            y = self.retrieve(keys, values, w.beta)
-            memory, base = None, 0
-            if use_cache:  # the memory holds s < n - 1; v_{n-1} waits for x_n
-                memory = self.kernel.init_state(B, self.n_head, keys.shape[-1], x.device,
-                                                values.dtype)
-                memory = self.kernel.prefill_state(memory, keys[:, :, :-1], values[:, :, :-1])
-        elif not self.alibi:
-            y, memory = self.kernel.extend(state.memory, keys, entry_keys, values, w.beta)
-            base = 0
-        else:  # the memory holds entries 0 .. p0 + n - 2; query i sits at p0 + i
-            memory, base = append_memory(state.memory, entry_keys, values), 0
-            y = biased_retrieval(self.kernel, keys, memory["keys"], memory["values"], w.beta,
-                                 self.slopes(), memory["keys"].shape[2] - n)
+        y, memory, base = recall(self.kernel, keys, entry_keys, values, w.beta,
+                                 self.visibility(), pos, None if state is None else state.memory,
+                                 0 if state is None else state.base, use_cache)
         y = F.linear(merge_heads(y).view(B * n, d), w.out).view(B, n, d)
         if self.training:
             y = self.resid_dropout(y)
@@ -316,136 +296,18 @@ class ContextualMemory(nn.Module):
         weights = self.kernel.weights(cos, beta, mask)
         return torch.nan_to_num(weights).masked_fill(~mask, 0.0)  # a row with no entry: 0
 
-    def retrieve(self, keys: Tensor, values: Tensor, beta: Tensor) -> Tensor:
-        """The kernel's strict-past retrieval of a whole sequence (B, H, T, hs), with the
-        ALiBi bias on the scores when the config asks for it."""
-        if not self.alibi:
-            if compiling() and not kernel_traceable(self.kernel):
-                return eager_boundary(self.kernel, keys, values, beta)
-            return self.kernel(keys, values, beta)
-        y = biased_retrieval(self.kernel, keys[:, :, 1:], keys[:, :, :-1], values[:, :, :-1],
-                             beta, self.slopes(), 0)
-        return F.pad(y, (0, 0, 1, 0))  # row 0: no memory
-
-    def biased_documents(self, keys: Tensor, memory: dict[str, Tensor], beta: Tensor,
-                         pos: Positions) -> Tensor:
-        """ALiBi retrieval where the query at p sees the entries lo <= s <= p - 1 of its own
-        document (lo = ``pos.doc_starts``, after padding): queries (B, H, n, hs), entries at
-        absolute positions 0 .. S - 1 in ``memory`` -> (B, H, n, hs). The scores beta k_p . k_s
-        - m_h (p - s) use distances, which a shift of the document leaves alone, so each run
-        of queries sharing a start L is the whole-sequence retrieval of the entries L .. S - 1
-        (rows with the same starts go together)."""
-        B, H, n, _ = keys.shape
-        lo = pos.doc_starts.to(keys.device).expand(B, n)
-        y = keys.new_zeros(B, H, n, memory["values"].shape[-1]).to(memory["values"].dtype)
-        starts, group = torch.unique(lo, dim=0, return_inverse=True)
-        for g, row_lo in enumerate(starts.tolist()):
-            rows = (group == g).nonzero().view(-1)
-            i0 = 0
-            while i0 < n:  # a run i0 .. i1 - 1 of queries with one start L
-                L, i1 = row_lo[i0], i0 + 1
-                while i1 < n and row_lo[i1] == L:
-                    i1 += 1
-                first = max(i0, L - pos.start + 1)  # the query at p = L sees nothing
-                if first < i1:
-                    part = biased_retrieval(
-                        self.kernel, keys[rows][:, :, first:i1], memory["keys"][rows][:, :, L:],
-                        memory["values"][rows][:, :, L:], beta, self.slopes(),
-                        pos.start + first - 1 - L)
-                    y[rows, :, first:i1] = part.to(y.dtype)
-                i0 = i1
-        return y
-
     def slopes(self) -> Tensor:
         """The ALiBi slopes m_h (H,): fixed by n_head, so neither trained nor saved."""
         return alibi_slopes(self.n_head).to(self.lookahead_c)
 
-    def attend(self, keys: Tensor, entry_keys: Tensor, values: Tensor, w: ContextualWeights,
-               pos: Positions | None, state: MemoryState | None,
-               use_cache: bool) -> tuple[Tensor, dict[str, Tensor] | None, int]:
-        """Retrieval over per-query visible intervals (windows, gaps, documents, adaptive
-        bandwidth) with ``Kernel.attend``: the memory holds entries base .. base + len - 1 and
-        the query at p sees lo <= s <= hi. Returns (y, memory kept for decoding, base)."""
-        n = keys.shape[2]
-        if state is None:
-            memory, base = {"keys": entry_keys, "values": values}, 0
-        else:  # the kernel's own entries (attend_step) stay beside the appended keys and values
-            memory = {**state.memory, **append_memory(state.memory, entry_keys, values)}
-            base = state.base
-        gap = pos.gap if self.level == "long" and pos is not None else 1
-        lo, hi = visible_interval(n, pos, self.window, gap, keys.device)
-        beta = w.beta if self.adaptive is None else self.kernel.bandwidth(
-            self.adaptive((hi - lo + 1).clamp(min=0)))
-        step = None
-        if state is not None and (n == 1 or "run_S" in memory):  # query by query
-            step = self._steps(memory, keys, beta, lo, hi, base)
-        if step is not None:
-            y, memory = step
-        else:
-            if base > 0 and "run_S" in memory and bool((lo < base).any()):
-                raise RuntimeError(
-                    "this decoding cache kept only the running sums of entries a query can "
-                    "still see, not the entries: continue it under torch.no_grad() with the "
-                    "model in eval mode (as generate does), or rebuild it from the prompt")
-            # the visible intervals plan the retrieval from their values: eager when compiled
-            attend = eager_boundary if compiling() else (lambda fn, *args: fn(*args))
-            y = attend(self.kernel.attend, keys, memory["keys"], memory["values"], beta,
-                       (lo - base).clamp(min=0), hi - base)
-        if not use_cache:
-            return y, None, base
-        if state is None:  # v_{n-1} waits for x_n
-            memory = {k: t[:, :, :-1] for k, t in memory.items()}
-            if memory["keys"].shape[2]:  # a kernel's running state, from the prompt's last query
-                primed = self._steps(memory, keys[:, :, -1:], beta if beta.dim() == 1
-                                     else beta[..., -1:], lo[:, -1:], hi[:, -1:], 0)
-                memory = memory if primed is None else primed[1]
-        start = n + (0 if pos is None else pos.start)  # absolute position of the next token
-        return (y, *self._trim(memory, base, start))
-
-    def _steps(self, memory: dict[str, Tensor], queries: Tensor, beta: Tensor, lo: Tensor,
-               hi: Tensor, base: int) -> tuple[Tensor, dict[str, Tensor]] | None:
-        """``Kernel.attend_step`` for each of the n queries in turn (each (B or 1, 1) bounds,
-        the bandwidth per head or the query's own), or None where the kernel declines."""
-        ys = []
-        for i in range(queries.shape[2]):
-            b = beta if beta.dim() == 1 else beta[..., i:i + 1]
-            step = self.kernel.attend_step(memory, queries[:, :, i:i + 1], b, lo[:, i:i + 1],
-                                           hi[:, i:i + 1], base)
-            if step is None:
-                return None
-            ys.append(step[0])
-            memory = step[1]
-        return torch.cat(ys, dim=2), memory
-
-    def _trim(self, memory: dict[str, Tensor], base: int,
-              next_pos: int) -> tuple[dict[str, Tensor], int]:
-        """Drop the entries no later step reads, in batches (the kept ones move to a fresh
-        buffer at the next append).
-
-        Short-term memory: the entries older than the next query's window (the query at p
-        sees s >= p - h + 1) once they are as many as the window itself; one entry more is
-        kept, the one that leaves the window at the next step (a kernel's running sums,
-        ``Kernel.attend_step``, subtract it then). A memory without a window whose kernel
-        keeps running sums (``run_hi``: the last entry they hold, per row): the entries up to
-        ``run_hi``, since a later query's interval either starts where the sums start (the
-        same document) or after ``run_hi`` (a new one); what stays is about the long-term
-        gap, so the cache no longer grows with the context."""
-        if self.window is None:
-            if "run_hi" not in memory:
-                return memory, base
-            first = int(memory["run_hi"].min()) + 1
-            drop = first - base
-            if drop < max(64, memory["keys"].shape[2] - drop):
-                return memory, base
-            return {k: t[:, :, drop:] if k in ("keys", "values") else t
-                    for k, t in memory.items()}, first
-        first = next_pos - self.window  # oldest entry the next step reads
-        drop = first - base
-        if drop < self.window:
-            return memory, base
-        # views of the kept entries: the next append moves them to a fresh buffer
-        return {k: t[:, :, drop:] if k in ("keys", "values") else t
-                for k, t in memory.items()}, first
+    def visibility(self) -> Visibility:
+        """What this memory's queries see (:mod:`mosaics.recall`)."""
+        if not self.intervals and not self.alibi:
+            return _STRICT_PAST
+        return Visibility(
+            self.intervals, self.window, self.level == "long",
+            self.slopes() if self.alibi else None,
+            None if self.adaptive is None else lambda n: self.kernel.bandwidth(self.adaptive(n)))
 
     def extra_repr(self) -> str:
         return f"n_head={self.n_head}, leaky_chunk={self.chunk}, level={self.level!r}"
@@ -469,88 +331,3 @@ class ShortLongMemory(nn.Module):
         ys, ss = self.short(x, pos, short, use_cache)
         yl, sl = self.long(x, pos, long, use_cache)
         return ys + yl, ((ss, sl) if use_cache else None)
-
-
-class PersistentMemory(nn.Module):
-    """Persistent associative memory: a leaky-averaged unit key attends over P learned slots,
-    y_t = softmax(k_t (beta' M_k)^T) (e^{10 q'} M_v)."""
-
-    def __init__(self, config: MosaicsConfig) -> None:
-        super().__init__()
-        d, H, P = config.n_embd, config.n_head, config.pmem_size
-        self.n_head, self.chunk, self.dropout = H, config.leaky_chunk_size, config.attn_dropout
-        self.k_proj = nn.Linear(d, d, bias=False)
-        self.leaky_p = nn.Parameter(torch.empty(H))
-        self.bandwidth_b = nn.Parameter(torch.empty(H))
-        self.value_q = nn.Parameter(torch.empty(H))
-        self.mem_keys = nn.Parameter(torch.empty(H, P, config.head_size))
-        self.mem_values = nn.Parameter(torch.empty(H, P, config.head_size))
-        self.c_proj = nn.Linear(d, d, bias=False)
-        self.resid_dropout = nn.Dropout(config.dropout)
-        self.reset_scalars()
-        self.reset_banks()
-
-    @torch.no_grad()
-    def reset_scalars(self) -> None:
-        init_head_scalars(self.leaky_p, self.bandwidth_b, self.value_q)
-
-    @torch.no_grad()
-    def reset_banks(self) -> None:
-        """Reference init of the slot banks: N(0, 1 / hs)."""
-        std = self.mem_keys.shape[-1] ** -0.5
-        nn.init.normal_(self.mem_keys, mean=0.0, std=std)
-        nn.init.normal_(self.mem_values, mean=0.0, std=std)
-
-    def weights(self) -> PersistentWeights:
-        """The log-decay and the scaled banks (beta' M_k, e^{10 q'} M_v), each (H, P, hs): the
-        scalars go on the banks, not on the (H, B T, hs) queries and outputs."""
-        H = self.n_head
-        a = decay_rate(self.leaky_p, EXP_SCALE)
-        return PersistentWeights(
-            log_decay=a, decay=torch.exp(-a).view(-1, 1),
-            keys=self.mem_keys * bandwidth(self.bandwidth_b).view(H, 1, 1),
-            values=self.mem_values * torch.exp(self.value_q * EXP_SCALE).view(H, 1, 1))
-
-    def forward(self, x: Tensor, pos: Positions | None = None, state: BankState | None = None,
-                use_cache: bool = False) -> tuple[Tensor, BankState | None]:
-        """x: (B, n, d) -> (B, n, d); ``pos``, ``state``, ``use_cache`` as in
-        :meth:`ContextualMemory.forward` (here the state is the running key sum)."""
-        B, n, d = x.shape
-        H = self.n_head
-        w = state.weights if state is not None else self.weights()
-        initial = None if state is None else state.kbar
-        if initial is not None and pos is not None and pos.restart is not None:
-            initial = initial * (~pos.restart).to(initial.dtype).view(B, 1, 1)
-        k_raw = drop_padding(split_heads(F.linear(x, self.k_proj.weight), H), pos)
-        kbar, last = leaky_average(k_raw, w.log_decay, initial=initial,
-                                   documents=None if pos is None else pos.documents,
-                                   chunk=self.chunk, decay=w.decay)
-        # the banks are shared by every token: fold the batch into the query axis, (H, B n, hs)
-        q = unit_vectors(kbar, NORM_EPS).transpose(0, 1).reshape(H, B * n, d // H)
-        y = bank_attention(q, w.keys.to(q.dtype), w.values.to(q.dtype),
-                           self.dropout if self.training else 0.0)
-        y = F.linear(y.view(H, B, n, d // H).permute(1, 2, 0, 3).reshape(B, n, d),
-                     self.c_proj.weight)
-        if self.training:
-            y = self.resid_dropout(y)
-        if not use_cache:
-            return y, None
-        if state is None:  # decoding multiplies by (beta' M_k)^T every step: store it that way
-            w = w._replace(keys=w.keys.transpose(1, 2).contiguous().transpose(1, 2))
-        return y, BankState(kbar=last, weights=w)
-
-
-class SwiGLUMemory(nn.Module):
-    """The v2 persistent memory, y = W2 (SiLU(W1 x) * W3 x), hidden width ``hidden``; a
-    position-wise map, so it keeps no decoding state and documents change nothing."""
-
-    def __init__(self, n_embd: int, hidden: int, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(n_embd, hidden, bias=False)
-        self.w3 = nn.Linear(n_embd, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, n_embd, bias=False)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x: Tensor, pos: Positions | None = None, state: None = None,
-                use_cache: bool = False) -> tuple[Tensor, None]:
-        return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x))), None

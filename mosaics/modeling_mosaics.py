@@ -23,14 +23,9 @@ from .cache import DocumentState, LayerState, MosaicsCache
 from .compilation import compiling, eager_boundary
 from .configuration_mosaics import MosaicsConfig
 from .kernels import Kernel
-from .memory import (
-    AdaptiveBandwidth,
-    ContextualMemory,
-    PersistentMemory,
-    ShortLongMemory,
-    SwiGLUMemory,
-)
+from .memory import AdaptiveBandwidth, ContextualMemory, ShortLongMemory
 from .ops import linear_cross_entropy
+from .persistent_memory import PersistentMemory, SwiGLUMemory
 from .positions import Positions, document_positions
 from .remote_code import save_model_code
 

@@ -13,14 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .memory import (
-    EXP_SCALE,
-    ContextualMemory,
-    PersistentMemory,
-    ShortLongMemory,
-    SwiGLUMemory,
-    bandwidth,
-)
+from .memory import EXP_SCALE, ContextualMemory, ShortLongMemory, bandwidth
+from .persistent_memory import PersistentMemory, SwiGLUMemory
 
 
 def _unit(x: Tensor) -> Tensor:

@@ -13,8 +13,9 @@ import re
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-TOP_LEVEL = ["configuration_mosaics.py", "modeling_mosaics.py", "memory.py", "positions.py",
-             "cache.py", "compilation.py", "remote_code.py"]
+TOP_LEVEL = ["configuration_mosaics.py", "modeling_mosaics.py", "memory.py",
+             "persistent_memory.py", "recall.py", "positions.py", "cache.py", "compilation.py",
+             "remote_code.py"]
 SUBPACKAGES = ["kernels", "ops", "ops/triton_kernels"]  # the last: the fused kernels' sources
 
 

@@ -331,7 +331,7 @@ def test_kernel_extend_matches_forward(positive, log_beta):
     keys, values = unit(torch.randn(1, 2, T, 4)), torch.randn(1, 2, T, 4)
     beta = torch.tensor([3.0, math.exp(log_beta)])
     full = kernel(keys, values, beta)
-    state = kernel.init_state(1, 2, 4, keys.device, keys.dtype)
+    state = kernel.memory_of(keys[:, :, :0], values[:, :, :0])  # no entry: zero sums
     outs, pos = [], 0
     for n in (1, 4, 1, 6):
         lo, hi = max(pos - 1, 0), pos + n - 1  # positions not yet in memory, all < pos + n - 1
@@ -340,8 +340,8 @@ def test_kernel_extend_matches_forward(positive, log_beta):
         outs.append(y)
         pos += n
     torch.testing.assert_close(torch.cat(outs, 2), full, rtol=1e-5, atol=1e-6)
-    assert state["S"].shape == (1, 2, kernel.feature_dim, 4)
-    assert state["z"].shape == (1, 2, kernel.feature_dim)
+    assert state.sums.S.shape == (1, 2, kernel.feature_dim, 4) and len(state) == 0
+    assert state.sums.z.shape == (1, 2, kernel.feature_dim)
 
 
 @pytest.mark.parametrize("positive", ["elu1", "exp"])
@@ -359,10 +359,11 @@ def test_cached_decoding_equals_full_forward(tiny_config, positive):
             cache, pos = out.cache, pos + n
             parts.append(out.logits)
         torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-4, atol=1e-5)
-    state = cache.layers[0].context[0].memory
-    assert set(state) == ({"S", "z"} if positive == "elu1" else {"S", "z", "r"})
-    assert state["S"].dtype == torch.float32
-    assert state["S"].shape == (2, 4, model.model.blocks[0].cmem.kernel.feature_dim, 8)
+    sums = cache.layers[0].context[0].memory.sums  # the sums alone: no entry is stored
+    assert len(cache.layers[0].context[0].memory) == 0 and sums.lo is None
+    assert (sums.r is None) == (positive == "elu1")
+    assert sums.S.dtype == torch.float32
+    assert sums.S.shape == (2, 4, model.model.blocks[0].cmem.kernel.feature_dim, 8)
 
 
 # ---------------------------------------------------------------- training behaviour

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from mosaics import MosaicsForCausalLM, available_kernels
+from mosaics.cache import MIN_MEMORY_BUFFER, KernelMemory, MosaicsCache
 from mosaics.kernels import get_kernel
-from mosaics.kernels.base import MIN_MEMORY_BUFFER, append_along_time, gather_rows
+from mosaics.kernels.base import gather_rows
 
 KERNELS = [k for k in available_kernels() if not k.startswith("test_")]
 
@@ -76,38 +77,60 @@ def test_sorted_row_solvers_equal_the_training_normalizer(name):
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
-def test_append_along_time_writes_in_place_and_grows(mode):
-    stored = torch.zeros(2, 3, 0, 4)
+def test_memory_append_writes_in_place_and_grows(mode):
+    memory = KernelMemory(torch.zeros(2, 3, 0, 4), torch.zeros(2, 3, 0, 4))
     parts = []
     ptrs = set()
     with getattr(torch, mode)():  # inference-mode views have no _base: still in place
         for step in range(3 * MIN_MEMORY_BUFFER):
             new = torch.randn(2, 3, 1 if step else 5, 4)
             parts.append(new)
-            stored = append_along_time(stored, new)
-            ptrs.add(stored.data_ptr())
-            torch.testing.assert_close(stored, torch.cat(parts, 2))
+            memory = memory.append(new, -new)
+            ptrs.add(memory.keys.data_ptr())
+            torch.testing.assert_close(memory.keys, torch.cat(parts, 2))
+            torch.testing.assert_close(memory.values, -torch.cat(parts, 2))
     # 5 + 64 entries, then 70 + 64, then 135 + 64: below 4 * 64 the headroom is the minimum
     assert len(ptrs) == 3
-    assert stored.memory_buffer_of.shape[2] == 135 + MIN_MEMORY_BUFFER
-    big = append_along_time(torch.zeros(1, 1, 1000, 2), torch.ones(1, 1, 1, 2))
-    assert big.memory_buffer_of.shape[2] == 1001 + 1001 // 4  # a quarter on top, not double
+    assert memory.buffers[0].shape[2] == 135 + MIN_MEMORY_BUFFER
+    big = KernelMemory(torch.zeros(1, 1, 1000, 2), torch.zeros(1, 1, 1000, 2))
+    big = big.append(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2))
+    assert big.buffers[1].shape[2] == 1001 + 1001 // 4  # a quarter on top, not double
+    # dropped entries: views of the kept ones, which move to a fresh buffer at the next append
+    kept = memory.drop_first(10)
+    assert kept.buffers is None and torch.equal(kept.keys, memory.keys[:, :, 10:])
+    grown = kept.append(torch.ones(2, 3, 1, 4), torch.ones(2, 3, 1, 4))
+    assert grown.keys.data_ptr() != memory.keys.data_ptr() and len(grown) == len(memory) - 9
 
 
-def test_append_along_time_never_writes_into_a_callers_tensor():
+def test_memory_append_never_writes_into_a_callers_tensor():
     mine = torch.randn(2, 3, 10, 4)
     snapshot = mine.clone()
-    out = append_along_time(mine[:, :, :6], torch.ones(2, 3, 2, 4))  # a view with room behind
-    assert torch.equal(mine, snapshot) and out.data_ptr() != mine.data_ptr()
-    torch.testing.assert_close(out, torch.cat([snapshot[:, :, :6], torch.ones(2, 3, 2, 4)], 2))
+    memory = KernelMemory(mine[:, :, :6], mine[:, :, :6])  # views with room behind
+    out = memory.append(torch.ones(2, 3, 2, 4), torch.ones(2, 3, 2, 4))
+    assert torch.equal(mine, snapshot) and out.keys.data_ptr() != mine.data_ptr()
+    torch.testing.assert_close(out.keys, torch.cat([snapshot[:, :, :6],
+                                                    torch.ones(2, 3, 2, 4)], 2))
 
 
-def test_append_along_time_keeps_gradients():
-    stored = append_along_time(torch.zeros(1, 2, 0, 3), torch.randn(1, 2, 4, 3))
+def test_memory_append_keeps_gradients():
+    memory = KernelMemory(torch.zeros(1, 2, 0, 3), torch.zeros(1, 2, 0, 3))
+    memory = memory.append(torch.randn(1, 2, 4, 3), torch.randn(1, 2, 4, 3))
     new = torch.randn(1, 2, 1, 3, requires_grad=True)
-    out = append_along_time(stored, new)
-    out.sum().backward()
-    torch.testing.assert_close(new.grad, torch.ones_like(new))
+    out = memory.append(new, new)
+    (out.keys.sum() + out.values.sum()).backward()
+    torch.testing.assert_close(new.grad, 2 * torch.ones_like(new))
+
+
+def test_reordering_a_cache_drops_its_buffers():
+    """Beam search's reorder makes fresh tensors: the memory must not append behind them as
+    if they were still its buffers."""
+    memory = KernelMemory(torch.zeros(2, 1, 0, 2), torch.zeros(2, 1, 0, 2))
+    memory = memory.append(torch.randn(2, 1, 3, 2), torch.randn(2, 1, 3, 2))
+    cache = MosaicsCache(1)
+    cache.layers[0] = memory
+    cache.reorder_cache(torch.tensor([1, 0]))
+    swapped = cache.layers[0]
+    assert swapped.buffers is None and torch.equal(swapped.keys, memory.keys.flip(0))
 
 
 def test_decoding_updates_buffers_and_sums_in_place(tiny_config):
@@ -116,16 +139,16 @@ def test_decoding_updates_buffers_and_sums_in_place(tiny_config):
     with torch.no_grad():
         out = model(ids[:, :4], use_cache=True)
         layer = out.cache.layers[0]
-        ptrs = (layer.context[0].memory["keys"].data_ptr(),
-                layer.context[0].memory["values"].data_ptr(),
+        ptrs = (layer.context[0].memory.keys.data_ptr(),
+                layer.context[0].memory.values.data_ptr(),
                 layer.context[0].kbar.data_ptr(), layer.persistent.kbar.data_ptr())
         for t in range(4, 12):
             out = model(ids[:, t:t + 1], cache=out.cache)
     layer = out.cache.layers[0]
-    assert ptrs == (layer.context[0].memory["keys"].data_ptr(),
-                    layer.context[0].memory["values"].data_ptr(),
+    assert ptrs == (layer.context[0].memory.keys.data_ptr(),
+                    layer.context[0].memory.values.data_ptr(),
                     layer.context[0].kbar.data_ptr(), layer.persistent.kbar.data_ptr())
-    assert layer.context[0].memory["keys"].shape[2] == 11  # memory holds s <= t - 1
+    assert layer.context[0].memory.keys.shape[2] == 11  # memory holds s <= t - 1
 
 
 @pytest.mark.parametrize("kernel", ["gaussian", "epanechnikov", "fska"])

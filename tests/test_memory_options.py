@@ -7,8 +7,9 @@ import math
 
 import torch
 
-from mosaics.memory import AdaptiveBandwidth, GatedKeys, SwiGLUMemory
+from mosaics.memory import AdaptiveBandwidth, GatedKeys
 from mosaics.ops import leaky_average, leaky_average_reference, unit_vectors
+from mosaics.persistent_memory import SwiGLUMemory
 from mosaics.positions import Positions, visible_interval
 
 

@@ -12,10 +12,11 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from mosaics import MosaicsConfig, MosaicsForCausalLM, MosaicsModel, available_kernels
 from mosaics.cache import MosaicsCache
-from mosaics.memory import ContextualMemory, PersistentMemory
+from mosaics.memory import ContextualMemory
 from mosaics.ops import bank_attention, leaky_average, leaky_average_reference
 from mosaics.ops import banks as bank_ops
 from mosaics.ops.banks import BANK_BLOCK
+from mosaics.persistent_memory import PersistentMemory
 from mosaics.reference import contextual_memory_reference, reference_logits
 
 
@@ -127,7 +128,7 @@ def test_value_lookahead_uses_next_token(tiny_config):
     mem = ContextualMemory(cfg).eval()
     x = torch.randn(2, 10, cfg.n_embd)
     _, state = mem(x, use_cache=True)
-    values = state.memory["values"]  # (B, H, 9, hs): v_0 .. v_8, v_9 is still pending
+    values = state.memory.values  # (B, H, 9, hs): v_0 .. v_8, v_9 is still pending
     assert values.shape[2] == 9
     H, hs = cfg.n_head, cfg.head_size
     vraw = (x @ mem.v_proj.weight.T).view(2, 10, H, hs).transpose(1, 2)
@@ -137,7 +138,7 @@ def test_value_lookahead_uses_next_token(tiny_config):
     # changing x_6 changes v_5 and v_6 only
     x2 = x.clone()
     x2[:, 6] += 1.0
-    v2 = mem(x2, use_cache=True)[1].memory["values"]
+    v2 = mem(x2, use_cache=True)[1].memory.values
     changed = (v2 - values).abs().amax(dim=(0, 1, 3)) > 0
     assert changed.tolist() == [s in (5, 6) for s in range(9)]
 
@@ -262,7 +263,7 @@ def test_decoding_state_does_not_grow_for_leaky_parts(tiny_config):
         out = model(torch.randint(0, 61, (1, 1)), cache=out.cache)
     layer = out.cache.layers[0]
     assert (layer.context[0].kbar.shape, layer.persistent.kbar.shape) == sizes
-    assert layer.context[0].memory["keys"].shape[2] == 10  # memory holds s <= t - 1
+    assert layer.context[0].memory.keys.shape[2] == 10  # memory holds s <= t - 1
 
 
 def test_generate_cached_equals_uncached(tiny_config):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mosaics import MosaicsConfig, MosaicsForCausalLM
-from mosaics.memory import ContextualMemory, GatedKeys, SwiGLUMemory
+from mosaics.memory import ContextualMemory, GatedKeys
+from mosaics.persistent_memory import SwiGLUMemory
 from mosaics.positions import Positions, document_positions
 from mosaics.reference import contextual_memory_reference, reference_logits
 
@@ -225,9 +226,9 @@ def test_short_term_decoding_memory_stays_bounded():
             out = model(ids[:, t:t + 1], cache=out.cache, use_cache=True)
             steps.append(out.logits)
             short = out.cache.layers[0].context[0]
-            assert short.memory["keys"].shape[2] <= 2 * (6 - 1) + 1
+            assert short.memory.keys.shape[2] <= 2 * (6 - 1) + 1
     long = out.cache.layers[0].context[1]
-    assert long.memory["keys"].shape[2] == 59  # every entry: the long-term memory sees them all
+    assert long.memory.keys.shape[2] == 59  # every entry: the long-term memory sees them all
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
 
 
@@ -302,7 +303,7 @@ def test_fska_decodes_intervals_with_running_sums(monkeypatch):
             assert max(rows) <= 3 and len(rows) == memories, rows
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
     memory = cache.layers[0].context[0].memory  # the short-term memory keeps its sums
-    assert memory["run_S"].dtype == torch.float64 and memory["keys"].shape[2] <= 2 * 6
+    assert memory.sums.S.dtype == torch.float64 and len(memory) <= 2 * 6
 
 
 def test_fska_long_term_memory_keeps_only_the_entries_its_sums_do_not_hold():
@@ -330,7 +331,7 @@ def test_fska_long_term_memory_keeps_only_the_entries_its_sums_do_not_hold():
         steps.append(model(ids[:, 250:], cache=cache, use_cache=True).logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
     long = cache.layers[0].context[1]
-    assert long.memory["keys"].shape[2] <= 2 * 64 + 10 and long.base > 100
+    assert long.memory.keys.shape[2] <= 2 * 64 + 10 and long.base > 100
     with pytest.raises(RuntimeError, match="running sums"):
         model(ids[:, 250:252], cache=cache, use_cache=True)  # grad enabled: the dense path
 

@@ -4,9 +4,9 @@
 your own (see the README). Importing this package registers the built-in kernels.
 """
 
+from ..cache import FeatureSums, KernelMemory
 from .base import (
     Kernel,
-    KernelState,
     available_kernels,
     extend_mask,
     get_kernel,
@@ -33,8 +33,9 @@ __all__ = [
     "TriweightKernel",
     "UniformKNNKernel",
     "GaussianKernel",
+    "FeatureSums",
     "Kernel",
-    "KernelState",
+    "KernelMemory",
     "available_kernels",
     "extend_mask",
     "get_kernel",

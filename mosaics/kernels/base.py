@@ -6,7 +6,7 @@ bandwidth beta into the strict-past retrieval
     y_t = sum_{s < t} w_ts v_s,   w_t. = normalizer(beta * cos(k_t, k_s) for s < t),
 
 with y_0 = 0 (position 0 has no memory). It also supports incremental decoding through
-``init_state`` / ``extend``, whose state holds tensors with the batch as dimension 0, and
+``memory_of`` / ``extend`` over a typed :class:`~mosaics.cache.KernelMemory`, and
 retrieval where each query sees its own interval of memory entries with its own bandwidth
 (``attend``: windows, gaps and documents of Memory Mosaics v2; see docs/v2.md).
 """
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-KernelState = dict[str, Tensor]
+from ..cache import KernelMemory
 
 _REGISTRY: dict[str, type[Kernel]] = {}
 
@@ -53,23 +53,17 @@ class Kernel(nn.Module):
         """
         raise NotImplementedError
 
-    def init_state(self, batch: int, heads: int, head_size: int, device: torch.device,
-                   dtype: torch.dtype) -> KernelState:
-        """Empty decoding state (no memory yet)."""
-        shape = (batch, heads, 0, head_size)
-        return {"keys": torch.zeros(shape, device=device, dtype=dtype),
-                "values": torch.zeros(shape, device=device, dtype=dtype)}
+    def memory_of(self, keys: Tensor, values: Tensor) -> KernelMemory:
+        """The decoding memory holding (B, H, m, hs) entries, answering no query (the prompt's
+        entries, for :meth:`extend` to continue)."""
+        return KernelMemory(keys[:, :, :0], values[:, :, :0]).append(keys, values)
 
-    def prefill_state(self, state: KernelState, keys: Tensor, values: Tensor) -> KernelState:
-        """Add (B, H, m, hs) memory entries to ``state`` without answering any query."""
-        return append_memory(state, keys, values)
-
-    def extend(self, state: KernelState, queries: Tensor, keys: Tensor, values: Tensor,
-               beta: Tensor) -> tuple[Tensor, KernelState]:
+    def extend(self, state: KernelMemory, queries: Tensor, keys: Tensor, values: Tensor,
+               beta: Tensor) -> tuple[Tensor, KernelMemory]:
         """Add memory entries and answer queries (incremental decoding).
 
         Args:
-            state: memory so far.
+            state: memory so far (:meth:`memory_of`).
             queries: (B, H, n, hs) unit query keys of the n new positions.
             keys, values: (B, H, m, hs) new memory entries, m in {n - 1, n}; query i sees
                 every entry already in ``state`` and new entries j <= i + m - n.
@@ -82,10 +76,10 @@ class Kernel(nn.Module):
         new memory keys plus the last query, whose own value is never read. Override it for
         speed.
         """
-        state = append_memory(state, keys, values)
-        all_keys = torch.cat([state["keys"], queries[:, :, -1:]], dim=2)
-        B, H, _, hv = state["values"].shape
-        all_values = torch.cat([state["values"], state["values"].new_zeros(B, H, 1, hv)], dim=2)
+        state = state.append(keys, values)
+        all_keys = torch.cat([state.keys, queries[:, :, -1:]], dim=2)
+        B, H, _, hv = state.values.shape
+        all_values = torch.cat([state.values, state.values.new_zeros(B, H, 1, hv)], dim=2)
         n = queries.shape[2]
         return self.forward(all_keys, all_values, beta)[:, :, -n:], state
 
@@ -135,26 +129,25 @@ class Kernel(nn.Module):
             out.append(torch.cat(rows, dim=2) if rows else values.new_zeros(B, H, 0, hv))
         return torch.cat(out, dim=0)
 
-    def attend_step(self, memory: KernelState, query: Tensor, beta: Tensor, lo: Tensor,
-                    hi: Tensor, base: int) -> tuple[Tensor, KernelState] | None:
+    def attend_step(self, memory: KernelMemory, query: Tensor, beta: Tensor, lo: Tensor,
+                    hi: Tensor, base: int) -> tuple[Tensor, KernelMemory] | None:
         """Optional fast decoding step over visible intervals: one query per batch row.
 
         Args:
-            memory: {"keys", "values": (B, H, S, hs)} holding the entries at absolute positions
-                base .. base + S - 1, plus whatever this method stored there on earlier steps.
+            memory: the entries at absolute positions base .. base + S - 1, and the running
+                sums this method kept on earlier steps (``memory.sums``).
             query: (B, H, 1, hs) unit query; beta: (H,) or (B or 1, H, 1) bandwidths.
             lo, hi: (B or 1, 1) absolute bounds of the entries the query sees.
         Returns:
             None to take :meth:`attend` (the default), or the (B, H, 1, hv) retrieval and the
-            memory to keep (extra entries in it must be batch-first tensors; the block slices
-            only "keys" and "values" when it drops old entries).
+            memory to keep.
 
-        A kernel that answers from running sums over the query's interval marks them with the
-        entries ``run_S`` and ``run_hi`` ((B,) absolute position of the last entry the sums
-        hold). The block then steps every later query through this method (several tokens per
-        call one by one), and a memory without a window drops the stored entries up to
-        ``run_hi``: the kernel must never read them again (their interval starts at the sums'
-        start, or after ``run_hi``).
+        A kernel that answers from running sums over the query's interval keeps them as
+        ``memory.sums`` with their bounds (:class:`~mosaics.cache.FeatureSums` ``lo``, ``hi``).
+        The block then steps every later query through this method (several tokens per call
+        one by one), and a memory without a window drops the stored entries up to
+        ``sums.hi``: the kernel must never read them again (their interval starts at the sums'
+        start, or after ``sums.hi``).
         """
         return None
 
@@ -206,59 +199,6 @@ def extend_mask(n: int, old: int, m: int, device: torch.device) -> Tensor:
 def strict_causal_mask(t: int, device: torch.device) -> Tensor:
     """(T, T) boolean mask, True where s < t."""
     return torch.ones(t, t, dtype=torch.bool, device=device).tril(-1)
-
-
-MIN_MEMORY_BUFFER = 64  # entries preallocated by the first append
-MEMORY_HEADROOM = 4  # a full buffer grows by 1/4 of the needed length (at least the minimum)
-
-
-def append_memory(state: KernelState, keys: Tensor, values: Tensor) -> KernelState:
-    """Quadratic kernels' state update: the stored entries followed by the new ones, along
-    time (see :func:`append_along_time`: no copy of the whole memory per decoding step)."""
-    return {"keys": append_along_time(state["keys"], keys),
-            "values": append_along_time(state["values"], values)}
-
-
-def append_along_time(stored: Tensor, new: Tensor) -> Tensor:
-    """``torch.cat([stored, new], dim=2)`` for (B, H, n, D) and (B, H, m, D) tensors, written
-    in place when it can be.
-
-    The result is a view of the first n + m entries of a preallocated (B, H, capacity, D)
-    buffer. When ``stored`` is such a view and the buffer has room, the m new entries are
-    copied behind it (O(m)); otherwise a buffer of 5/4 of the needed length is allocated, so
-    appending one entry at a time copies amortised O(1) (at most 5) entries per step while a
-    long prompt's memory grows by a quarter, not double, at the first decoding step. The
-    view returned earlier keeps its length, but the entries behind it now belong to the new
-    state: to continue one state in two ways, ``copy.deepcopy`` it first. With gradients
-    flowing into the memory it falls back to ``torch.cat``.
-    """
-    n, m = stored.shape[2], new.shape[2]
-    if torch.is_grad_enabled() and (stored.requires_grad or new.requires_grad):
-        return torch.cat([stored, new], dim=2)
-    # the view remembers its buffer: ``_base`` alone is None for views made under
-    # torch.inference_mode(), which would copy the whole memory every step there
-    buffer = getattr(stored, "memory_buffer_of", None)
-    if buffer is None:
-        buffer = stored._base
-    if not _has_room(buffer, stored, n + m):
-        B, H, _, D = stored.shape
-        headroom = max((n + m) // MEMORY_HEADROOM, MIN_MEMORY_BUFFER)
-        buffer = stored.new_empty(B, H, n + m + headroom, D)
-        buffer.memory_buffer = True  # marks buffers this function owns (never a caller's)
-        buffer.narrow(2, 0, n).copy_(stored)
-    buffer.narrow(2, n, m).copy_(new)
-    out = buffer.narrow(2, 0, n + m)
-    out.memory_buffer_of = buffer
-    return out
-
-
-def _has_room(buffer: Tensor | None, stored: Tensor, length: int) -> bool:
-    """Whether ``stored`` is the start of a buffer of :func:`append_along_time` with at least
-    ``length`` entries."""
-    return (buffer is not None and getattr(buffer, "memory_buffer", False)
-            and buffer.shape[2] >= length and stored.data_ptr() == buffer.data_ptr()
-            and stored.stride() == buffer.stride() and stored.shape[3] == buffer.shape[3]
-            and stored.shape[:2] == buffer.shape[:2])
 
 
 def work_precision(x: Tensor) -> Tensor:

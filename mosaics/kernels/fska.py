@@ -29,18 +29,19 @@ which ran last. Decoding steps keep their O(1) running sums.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
+from ..cache import FeatureSums, KernelMemory
 from ..ops.leaky import chunk_grid, merge_chunks, split_chunks
 from ..ops.linear_attention import fused_backward, fused_forward, linear_attention_unsupported
 from ..ops.triton_backend import fused_expected, fused_reason, note_path
 from .base import (
     Kernel,
-    KernelState,
     attend_plan,
     bounds_mask,
     causal_offset,
@@ -810,14 +811,14 @@ class FSKAKernel(Kernel):
                          torch.is_grad_enabled())
         return y.to(values.dtype)
 
-    def attend_step(self, memory: KernelState, query: Tensor, beta: Tensor, lo: Tensor,
-                    hi: Tensor, base: int) -> tuple[Tensor, KernelState] | None:
+    def attend_step(self, memory: KernelMemory, query: Tensor, beta: Tensor, lo: Tensor,
+                    hi: Tensor, base: int) -> tuple[Tensor, KernelMemory] | None:
         """A decoding step over visible intervals in O(1) features per token (elu1 map, one
         bandwidth per head, eval frequencies; otherwise None: :meth:`attend`).
 
-        The memory keeps the running sums over the entries the last step saw, in float64:
-        ``run_S`` = sum_j g(k_j) v_j^T (B, H, M', hv), ``run_z`` = sum_j g(k_j) (B, H, M'), and
-        that interval's absolute bounds ``run_lo``, ``run_hi`` (B,). The step adds the entries
+        The memory keeps the running sums over the entries the last step saw, in float64
+        (``memory.sums``): S = sum_j g(k_j) v_j^T (B, H, M', hv), z = sum_j g(k_j) (B, H, M'),
+        and that interval's absolute bounds lo, hi (B,). The step adds the entries
         that entered (lo .. hi grows at hi) and subtracts those that left (a window's oldest),
         each entry once; a row whose new interval starts past the old one (a new document), or
         whose entries to subtract are no longer stored, restarts from its interval. Then
@@ -826,7 +827,7 @@ class FSKAKernel(Kernel):
                 or self.linear_intervals is False or torch.is_grad_enabled()):
             return None
         self._check(query)
-        keys, values = memory["keys"], memory["values"]
+        keys, values = memory.keys, memory.values
         B, H, S, hv = values.shape
         # entries before base may be held by the sums alone (a windowless memory drops them)
         lo = lo.reshape(-1).expand(B)
@@ -835,9 +836,9 @@ class FSKAKernel(Kernel):
         f = self.feature_dim
         with torch.autocast(device_type=query.device.type, enabled=False):
             w1, w2 = self._eval_frequencies(beta)
-            if "run_S" in memory:  # updated in place below, as the cache's buffers are
-                sums, zs = memory["run_S"].contiguous(), memory["run_z"]
-                cur_lo, cur_hi = memory["run_lo"], memory["run_hi"]
+            run = memory.sums
+            if run is not None and run.hi is not None:  # updated in place below
+                sums, zs, cur_lo, cur_hi = run.S.contiguous(), run.z, run.lo, run.hi
                 # a row restarts when its interval starts past the sums, or when the entries
                 # it should subtract are no longer stored
                 restart = (lo > cur_hi) | ((lo > cur_lo) & (cur_lo < base))
@@ -877,8 +878,7 @@ class FSKAKernel(Kernel):
                 zs.add_(fk.sum(-2))
             den = (fq @ zs.unsqueeze(-1) + self.eps).clamp_min(torch.finfo(torch.float32).tiny)
             y = (fq @ sums) / den
-        memory = {**memory, "run_S": sums, "run_z": zs, "run_lo": lo, "run_hi": hi}
-        return y.to(values.dtype), memory
+        return y.to(values.dtype), replace(memory, sums=FeatureSums(sums, zs, lo=lo, hi=hi))
 
     def _linear(self, q: Tensor, k: Tensor | None, v: Tensor, w1: Tensor, w2: Tensor,
                 lo: Tensor, hi: Tensor) -> Tensor:
@@ -952,18 +952,6 @@ class FSKAKernel(Kernel):
         den = (w.sum(-1, keepdim=True) + self.eps).clamp_min(torch.finfo(w.dtype).tiny)
         return (w @ v) / den
 
-    def init_state(self, batch: int, heads: int, head_size: int, device: torch.device,
-                   dtype: torch.dtype) -> KernelState:
-        """{"S": (B, H, M', hs), "z": (B, H, M')} fp32 zeros; the exp map adds "r": (B, H, M),
-        the per-feature running max of the keys' log g, relative to which S and z are kept."""
-        f = self.feature_dim
-        state = {"S": torch.zeros(batch, heads, f, head_size, device=device, dtype=torch.float32),
-                 "z": torch.zeros(batch, heads, f, device=device, dtype=torch.float32)}
-        if self.positive == "exp":
-            state["r"] = torch.full((batch, heads, f), NO_MEMORY, device=device,
-                                    dtype=torch.float32)
-        return state
-
     def _eval_frequencies(self, beta: Tensor) -> tuple[Tensor, Tensor]:
         """(w1, w2) at the eval noise and bandwidth beta; outside autograd, kept while the
         flow's output and beta stay the same (a decoding step asks for them per memory)."""
@@ -980,35 +968,46 @@ class FSKAKernel(Kernel):
         return out
 
     @staticmethod
-    def _add_to_state(state: KernelState, f: Tensor, log_g: Tensor | None,
-                      v: Tensor) -> KernelState:
+    def _add_to_sums(sums: FeatureSums, f: Tensor, log_g: Tensor | None,
+                     v: Tensor) -> FeatureSums:
         """Add keys (features f or log g, (B, H, m, M')) with values v (B, H, m, hs)."""
         if log_g is None:
-            return {"S": state["S"] + f.transpose(-1, -2) @ v, "z": state["z"] + f.sum(-2)}
+            return FeatureSums(sums.S + f.transpose(-1, -2) @ v, sums.z + f.sum(-2))
         if log_g.shape[2] == 0:
-            return dict(state)
-        r = torch.maximum(state["r"], log_g.amax(2))  # (B, H, M)
-        keep = torch.exp(state["r"] - r)
+            return replace(sums)
+        r = torch.maximum(sums.r, log_g.amax(2))  # (B, H, M)
+        keep = torch.exp(sums.r - r)
         fk = torch.exp(log_g - r.unsqueeze(2))
-        return {"S": state["S"] * keep.unsqueeze(-1) + fk.transpose(-1, -2) @ v,
-                "z": state["z"] * keep + fk.sum(-2), "r": r}
+        return FeatureSums(sums.S * keep.unsqueeze(-1) + fk.transpose(-1, -2) @ v,
+                           sums.z * keep + fk.sum(-2), r)
 
-    def prefill_state(self, state: KernelState, keys: Tensor, values: Tensor) -> KernelState:
-        """Add entries using the eval frequencies at the bandwidth of the last forward."""
+    def memory_of(self, keys: Tensor, values: Tensor) -> KernelMemory:
+        """The running sums of (B, H, m, hs) entries, in fp32, at the eval frequencies and the
+        bandwidth of the last forward: S = sum_j g(k_j) v_j^T (B, H, M', hs), z = sum_j g(k_j)
+        (B, H, M'); the exp map keeps them relative to r (B, H, M), the per-feature running
+        max of the keys' log g. No entry is stored."""
         self._check(keys)
         if self._beta is None:
-            raise RuntimeError("fska prefill_state needs the bandwidth of a preceding forward "
+            raise RuntimeError("fska memory_of needs the bandwidth of a preceding forward "
                                "call; run the kernel's forward on the prompt first")
+        B, H, _, hv = values.shape
+        f = self.feature_dim
+        zeros = FeatureSums(keys.new_zeros(B, H, f, hv, dtype=torch.float32),
+                            keys.new_zeros(B, H, f, dtype=torch.float32))
+        if self.positive == "exp":
+            zeros.r = torch.full((B, H, f), NO_MEMORY, device=keys.device, dtype=torch.float32)
         with torch.autocast(device_type=keys.device.type, enabled=False):
             w1, w2 = self._eval_frequencies(self._beta)
-            f, log_g = self.features(keys.float(), w1, w2)
-            return self._add_to_state(state, f, log_g, values.float())
+            fk, log_g = self.features(keys.float(), w1, w2)
+            sums = self._add_to_sums(zeros, fk, log_g, values.float())
+        return KernelMemory(keys[:, :, :0], values[:, :, :0], sums)
 
-    def extend(self, state: KernelState, queries: Tensor, keys: Tensor, values: Tensor,
-               beta: Tensor) -> tuple[Tensor, KernelState]:
+    def extend(self, state: KernelMemory, queries: Tensor, keys: Tensor, values: Tensor,
+               beta: Tensor) -> tuple[Tensor, KernelMemory]:
         """O(1)-per-token decoding step with the fixed eval frequencies."""
         self._check(queries)
         self._beta = beta.detach()
+        sums = state.sums
         n, m = queries.shape[2], keys.shape[2]
         with torch.autocast(device_type=queries.device.type, enabled=False):
             w1, w2 = self._eval_frequencies(beta)
@@ -1019,17 +1018,17 @@ class FSKAKernel(Kernel):
             pairs = fq @ fk.transpose(-1, -2)  # (B, H, n, m)
             if lq is None:
                 w = pairs.masked_fill(~mask, 0.0)
-                num, den = fq @ state["S"] + w @ v, fq @ state["z"].unsqueeze(-1)
+                num, den = fq @ sums.S + w @ v, fq @ sums.z.unsqueeze(-1)
             else:  # relative to nu_i, as in stable_causal_linear_attention
                 gq, gk = lq.amax(-1), lk.amax(-1)
-                r = state["r"].unsqueeze(2)  # (B, H, 1, M)
+                r = sums.r.unsqueeze(2)  # (B, H, 1, M)
                 nu = _row_reference((lq + r).amax(-1), _log_pairs(pairs, gq, gk, mask))
                 w = _pair_weights(pairs, gq, gk, nu, mask)
                 q_w = torch.exp(lq + r - nu.unsqueeze(-1))
-                num, den = q_w @ state["S"] + w @ v, q_w @ state["z"].unsqueeze(-1)
+                num, den = q_w @ sums.S + w @ v, q_w @ sums.z.unsqueeze(-1)
             den = den.squeeze(-1) + w.sum(-1)
             y = num / (den.unsqueeze(-1) + self.eps)
-            new = self._add_to_state(state, fk, lk, v)
+            new = replace(state, sums=self._add_to_sums(sums, fk, lk, v))
         return y.to(values.dtype), new
 
     def extra_repr(self) -> str:

@@ -14,11 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..cache import KernelMemory
 from ..ops.causal import causal_attention, interval_attention
 from .base import (
     Kernel,
-    KernelState,
-    append_memory,
     attend_plan,
     batched_rows,
     bounds_mask,
@@ -66,18 +65,18 @@ class GaussianKernel(Kernel):
         dz = p * (dp - (p * dp).sum(dim=-1, keepdim=True))
         return dz * beta, (dz * cos.masked_fill(~mask, 0.0)).sum_to_size(beta.shape)
 
-    def extend(self, state: KernelState, queries: Tensor, keys: Tensor, values: Tensor,
-               beta: Tensor) -> tuple[Tensor, KernelState]:
-        state = append_memory(state, keys, values)
-        n, total = queries.shape[2], state["keys"].shape[2]
+    def extend(self, state: KernelMemory, queries: Tensor, keys: Tensor, values: Tensor,
+               beta: Tensor) -> tuple[Tensor, KernelMemory]:
+        state = state.append(keys, values)
+        n, total = queries.shape[2], len(state)
         if n == 1:
-            return decode_softmax(queries, state["keys"], state["values"], beta), state
+            return decode_softmax(queries, state.keys, state.values, beta), state
         mask = extend_mask(n, total - keys.shape[2], keys.shape[2], queries.device)
         H = queries.shape[1]
-        scores = (queries.float() @ state["keys"].float().transpose(-1, -2)) * beta.view(1, H, 1, 1)
+        scores = (queries.float() @ state.keys.float().transpose(-1, -2)) * beta.view(1, H, 1, 1)
         scores = scores.masked_fill(~mask, float("-inf"))
         weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no memory -> 0
-        return (weights @ state["values"].float()).to(values.dtype), state
+        return (weights @ state.values.float()).to(values.dtype), state
 
     def attend(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                lo: Tensor, hi: Tensor) -> Tensor:

@@ -28,12 +28,11 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ..cache import KernelMemory
 from ..ops.power_attention import power_attention
 from ..ops.triton_backend import fused_expected, fused_reason, note_path
 from .base import (
     Kernel,
-    KernelState,
-    append_memory,
     attend_plan,
     causal_offset,
     check_attend_args,
@@ -102,14 +101,13 @@ class ScoreKernel(Kernel):
         y = retrieve(self, keys[:, :, 1:], keys[:, :, :-1], values[:, :, :-1], beta, 0)
         return torch.cat([out[:, :, :1], y], dim=2)
 
-    def extend(self, state: KernelState, queries: Tensor, keys: Tensor, values: Tensor,
-               beta: Tensor) -> tuple[Tensor, KernelState]:
-        state = append_memory(state, keys, values)
+    def extend(self, state: KernelMemory, queries: Tensor, keys: Tensor, values: Tensor,
+               beta: Tensor) -> tuple[Tensor, KernelMemory]:
+        state = state.append(keys, values)
         if queries.shape[2] == 1 and not _needs_grad(queries, keys, values, beta):
-            return decode_row(self, queries, state["keys"], state["values"], beta), state
-        offset = state["keys"].shape[2] - queries.shape[2]
-        y = retrieve(self, queries, state["keys"], state["values"], beta, offset)
-        return y, state
+            return decode_row(self, queries, state.keys, state.values, beta), state
+        offset = len(state) - queries.shape[2]
+        return retrieve(self, queries, state.keys, state.values, beta, offset), state
 
     def fused_retrieval(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                         lo: Tensor, hi: Tensor, slopes: Tensor | None = None,
