@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from mosaics import MosaicsForCausalLM
-from mosaics.kernels import fska, get_kernel
-from mosaics.kernels.fska import FSKAKernel, causal_linear_attention
+from mosaics.kernels import get_kernel
+from mosaics.kernels.fska import FSKAKernel
 from mosaics.kernels.spectral_flow import (
     SpectralFlow,
     SpectralMixturePrior,
@@ -20,6 +20,8 @@ from mosaics.kernels.spectral_flow import (
     exp_log_features,
     spectral_kl,
 )
+from mosaics.ops import feature_attention
+from mosaics.ops.feature_attention import CosineFeatureAttention, chunked_causal_linear_attention
 from mosaics.remote_code import flat_sources
 
 
@@ -231,7 +233,7 @@ def test_chunked_linear_attention_matches_dense_masked_reference(T, chunk):
     q = torch.rand(2, 3, T, 7, dtype=torch.float64)
     k = torch.rand(2, 3, T, 7, dtype=torch.float64)
     v = torch.randn(2, 3, T, 5, dtype=torch.float64)
-    got = causal_linear_attention(q, k, v, chunk, eps=1e-12)
+    got = chunked_causal_linear_attention(q, k, v, chunk, eps=1e-12)
     scores = (q @ k.transpose(-1, -2)).tril(-1)  # keep s < t only
     want = scores @ v / (scores.sum(-1, keepdim=True) + 1e-12)
     torch.testing.assert_close(got, want)
@@ -253,25 +255,25 @@ def test_elu1_retrieval_matches_autograd_through_the_chunked_reference(monkeypat
                                                                        segment):
     """The segmented elu1 function (hand-written backward, several segments when the segment
     budget is small) == autograd through features + causal_linear_attention, in float64."""
-    monkeypatch.setattr(fska, "SEGMENT_ELEMENTS", segment)
+    monkeypatch.setattr(feature_attention, "SEGMENT_ELEMENTS", segment)
     x, v, w1, w2 = elu1_inputs(T)
     dy = torch.randn(2, 3, T, 4, dtype=torch.float64)
     f = elu1_features(x, w1, w2)
-    want = causal_linear_attention(f, f, v, chunk, 1e-20)
-    got = fska._CosineFeatureAttention.apply(x, v, w1, w2, chunk, 1e-20)
+    want = chunked_causal_linear_attention(f, f, v, chunk, 1e-20)
+    got = CosineFeatureAttention.apply(x, v, w1, w2, chunk, 1e-20)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
     for a, b in zip(torch.autograd.grad(got, (x, v, w1, w2), dy),
                     torch.autograd.grad(want, (x, v, w1, w2), dy)):
         torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-9)
     if T <= 13:
         assert torch.autograd.gradcheck(
-            lambda *a: fska._CosineFeatureAttention.apply(*a, chunk, 1e-20), (x, v, w1, w2))
+            lambda *a: CosineFeatureAttention.apply(*a, chunk, 1e-20), (x, v, w1, w2))
 
 
 def test_elu1_retrieval_saves_no_features(monkeypatch):
     """Backward keeps the inputs, the output and O(T + segments x M' hs) numbers: nothing of
     size T x M'."""
-    monkeypatch.setattr(fska, "SEGMENT_ELEMENTS", 2**12)
+    monkeypatch.setattr(feature_attention, "SEGMENT_ELEMENTS", 2**12)
     T = 256
     x, v, w1, w2 = elu1_inputs(T)
     saved: list[int] = []
@@ -281,7 +283,7 @@ def test_elu1_retrieval_saves_no_features(monkeypatch):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = fska._CosineFeatureAttention.apply(x, v, w1, w2, 8, 1e-20)
+        y = CosineFeatureAttention.apply(x, v, w1, w2, 8, 1e-20)
     assert max(saved) < 2 * 3 * T * 2 * 6  # the features would be B H T M' numbers
     y.sum().backward()
 
@@ -576,3 +578,26 @@ def test_exp_map_attends_more_sharply_than_elu1(log_beta):
     elu1, exp = retrieval_sharpness("elu1", beta), retrieval_sharpness("exp", beta)
     assert elu1 < 2.0  # the ELU+1 map is nearly uniform (|phi_i| <= 2 / sqrt(4M))
     assert exp > 5.0 * elu1  # at e^10 this needs the per-feature rescaled state
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_interval_linear_attention_equals_its_dense_reference(shared):
+    """Prefix differences of chunk states plus dense ends = the dense masked form, value and
+    gradient, in float64 (windows, gaps and empty rows; bounds shared or per batch row)."""
+    torch.manual_seed(21)
+    B, H, n, F, D = 2, 3, 37, 6, 5
+    fq = torch.rand(B, H, n, F, dtype=torch.float64, requires_grad=True)
+    fk = torch.rand(B, H, n, F, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, H, n, D, dtype=torch.float64, requires_grad=True)
+    i = torch.arange(n)
+    hi = (i - torch.tensor([[1], [3]])).clamp(min=-1)[: 1 if shared else B]
+    lo = torch.maximum(hi - 11, torch.zeros_like(hi))
+    lo[:, 5] = hi[:, 5] + 1  # a row that sees nothing
+    args = (fq, fk, v, lo, hi)
+    got = feature_attention.interval_linear_attention(*args, chunk=4, eps=1e-9, elements=64)
+    want = feature_attention.interval_linear_attention_reference(*args, eps=1e-9)
+    torch.testing.assert_close(got, want)
+    g = torch.randn_like(got)
+    grads = torch.autograd.grad(got, (fq, fk, v), g)
+    for a, b in zip(grads, torch.autograd.grad(want, (fq, fk, v), g)):
+        torch.testing.assert_close(a, b)

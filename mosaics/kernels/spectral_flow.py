@@ -39,6 +39,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..ops.feature_attention import (  # noqa: F401  (the feature maps, re-exported)
+    angle_cosine_features,
+    angle_features,
+    cosine_features,
+    elu1_features,
+    exp_log_features,
+    projections,
+)
+
 LOG_SCALE_BOUND = 2.0  # |log-scale| of one coupling is below this
 LOG_2PI = math.log(2.0 * math.pi)
 
@@ -173,42 +182,3 @@ def spectral_kl(log_q: Tensor, u: Tensor, prior: SpectralMixturePrior) -> Tensor
     log_q, u: (H, N), (H, N, 2 hs) from :meth:`SpectralFlow.sample`.
     """
     return (log_q - prior.log_prob(u)).mean()
-
-
-def projections(x: Tensor, w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor]:
-    """W1 x, W2 x for x (B, H, T, hs) and w (H, M, hs) -> (B, H, T, M) each."""
-    return (torch.einsum("bhtd,hmd->bhtm", x, w1), torch.einsum("bhtd,hmd->bhtm", x, w2))
-
-
-def cosine_features(x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
-    """phi(x) = (4M)^-1/2 [cos W1x + cos W2x ; sin W1x + sin W2x]: (B, H, T, 2M)."""
-    return angle_cosine_features(*projections(x, w1, w2))
-
-
-def angle_cosine_features(a1: Tensor, a2: Tensor) -> Tensor:
-    """phi from the angles a_i = W_i x (..., M): (4M)^-1/2 [cos a1 + cos a2 ; sin a1 + sin a2]."""
-    phi = torch.cat([torch.cos(a1) + torch.cos(a2), torch.sin(a1) + torch.sin(a2)], dim=-1)
-    return phi / math.sqrt(4 * a1.shape[-1])
-
-
-def angle_features(a1: Tensor, a2: Tensor, positive: str) -> Tensor:
-    """The positive map from the angles a_i = W_i x (..., M): ``"elu1"``: g = ELU(phi) + 1
-    (..., 2M); ``"exp"``: log g = logaddexp(a1, a2) - log(4M) / 2 (..., M)."""
-    if positive == "elu1":
-        return F.elu(angle_cosine_features(a1, a2)) + 1.0
-    return torch.logaddexp(a1, a2) - 0.5 * math.log(4 * a1.shape[-1])
-
-
-def elu1_features(x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
-    """The paper's positive map ELU(phi(x)) + 1: (B, H, T, 2M)."""
-    return F.elu(cosine_features(x, w1, w2)) + 1.0
-
-
-def exp_log_features(x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
-    """log g(x) of the exp map: logaddexp(W1 x, W2 x) - log(4M)/2, shape (B, H, T, M).
-
-    Kept in log space: exp(W x) overflows fp32 once |w| > 88, so callers rescale per row
-    (see :func:`mosaics.kernels.fska.stable_causal_linear_attention`).
-    """
-    a1, a2 = projections(x, w1, w2)
-    return torch.logaddexp(a1, a2) - 0.5 * math.log(4 * w1.shape[-2])

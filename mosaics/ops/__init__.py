@@ -12,6 +12,7 @@ op                       reference                       what it computes
 ``causal_linear_att..``  ``causal_linear_att.._ref..``   sum_{s<t} q_t.k_s [v_s, 1], normalised
 ``power_attention``      ``power_attention_reference``   [a (q.k - m) - s]_+^r / sum, j in lo..hi
 ``knn_attention``        ``knn_attention_reference``     softmax or 1/count on the top-k q.k
+``interval_linear_at..`` ``interval_linear_at.._ref..``  sum_j f_i.g_j [v_j, 1], j in lo..hi
 =======================  ==============================  ======================================
 
 Each op chooses its form inside (device, dtype, sizes, gradients, ``MOSAICS_CPU_EXTENSION``,
@@ -22,6 +23,7 @@ checks every op against its reference, value and gradient, in float64.
 
 from .banks import bank_attention, bank_attention_reference
 from .causal import causal_attention, causal_attention_reference
+from .feature_attention import interval_linear_attention, interval_linear_attention_reference
 from .fused_loss import linear_cross_entropy, linear_cross_entropy_reference
 from .knn_attention import knn_attention, knn_attention_reference
 from .leaky import decay_rate, leaky_average, leaky_average_reference
@@ -42,6 +44,8 @@ __all__ = [
     "causal_linear_attention",
     "causal_linear_attention_reference",
     "decay_rate",
+    "interval_linear_attention",
+    "interval_linear_attention_reference",
     "knn_attention",
     "knn_attention_reference",
     "leaky_average",
