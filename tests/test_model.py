@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from mosaics import MosaicsConfig, MosaicsForCausalLM, MosaicsModel, available_kernels
 from mosaics.cache import MosaicsCache
 from mosaics.memory import ContextualMemory
-from mosaics.ops import bank_attention, leaky_average, leaky_average_reference
+from mosaics.ops import bank_attention, leaky_average_reference
 from mosaics.ops import banks as bank_ops
 from mosaics.ops.banks import BANK_BLOCK
 from mosaics.persistent_memory import PersistentMemory
@@ -84,40 +84,6 @@ def test_bank_attention_blocked_backward_matches_softmax_formula(P, monkeypatch)
     torch.testing.assert_close(out, ref)
     for mine, theirs in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("chunk", [1, 5, 16, 100])
-def test_leaky_average_equals_recursion(chunk):
-    torch.manual_seed(2)
-    x = torch.randn(2, 3, 37, 4, dtype=torch.float64)
-    a = torch.tensor([0.01, 0.7, 4.0], dtype=torch.float64)
-    init = torch.randn(2, 3, 4, dtype=torch.float64)
-    torch.testing.assert_close(leaky_average(x, a, chunk=chunk)[0], leaky_average_reference(x, a))
-    torch.testing.assert_close(leaky_average(x, a, initial=init, chunk=chunk)[0],
-                               leaky_average_reference(x, a, initial=init))
-
-
-@pytest.mark.parametrize("chunk,T", [(1, 9), (4, 12), (5, 13), (16, 9)])
-def test_leaky_average_gradients_equal_recursion(chunk, T):
-    """The closed-form backward (reverse scan, dL/dlambda) against autograd of the loop."""
-    torch.manual_seed(4)
-    x = torch.randn(2, 3, T, 4, dtype=torch.float64, requires_grad=True)
-    a = torch.tensor([0.05, 0.7, 3.0], dtype=torch.float64, requires_grad=True)
-    init = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
-    g = torch.randn(2, 3, T, 4, dtype=torch.float64)
-    for initial in (None, init):
-        fast = torch.autograd.grad(leaky_average(x, a, initial=initial, chunk=chunk)[0], (x, a), g)
-        slow = torch.autograd.grad(leaky_average_reference(x, a, initial=initial), (x, a), g)
-        for f, s in zip(fast, slow):
-            torch.testing.assert_close(f, s)
-    assert torch.autograd.gradcheck(lambda x, a: leaky_average(x, a, chunk=chunk)[0], (x, a))
-    # a strided view (a head split of a wider projection), as the memories pass it
-    wide = torch.randn(2, T, 3, 8, dtype=torch.float64, requires_grad=True)
-    view = wide[..., :4].transpose(1, 2)
-    fast = torch.autograd.grad(leaky_average(view, a, chunk=chunk)[0], (wide, a), g)
-    slow = torch.autograd.grad(leaky_average_reference(view, a), (wide, a), g)
-    for f, s in zip(fast, slow):
-        torch.testing.assert_close(f, s)
 
 
 def test_value_lookahead_uses_next_token(tiny_config):

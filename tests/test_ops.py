@@ -1,4 +1,5 @@
-"""Every op of :mod:`mosaics.ops` against its plain reference: value and gradient, float64."""
+"""Ops of :mod:`mosaics.ops` against their plain references: value and gradient, float64.
+The leaky average has a file of its own (test_leaky_average.py)."""
 
 from __future__ import annotations
 
@@ -27,38 +28,6 @@ def _same_value_and_grad(fast, slow, leaves: list[torch.Tensor]) -> None:
     for a, b in zip(torch.autograd.grad(y_fast, leaves, g), torch.autograd.grad(y_slow, leaves, g),
                     strict=True):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-8)
-
-
-@pytest.mark.parametrize("form", ["constant", "constant+initial", "gated", "gated+documents"])
-def test_leaky_average(form):
-    x, init = _leaves((B, H, T, D), (B, H, D))
-    a_head, gain, a_step = _leaves((H,), (B, H, T), (B, H, T), positive=True)
-    docs = torch.tensor([[0] * 9 + [1] * 14, [0] * 3 + [2] * 20])
-    kw = {"constant": {}, "constant+initial": {"initial": init},
-          "gated": {"gain": gain}, "gated+documents": {"gain": gain, "documents": docs,
-                                                       "initial": init}}[form]
-    a = a_step if "gain" in kw else a_head
-    leaves = [x, a] + [kw[k] for k in ("gain", "initial") if k in kw]
-
-    def call(fn, *args):
-        extra = dict(zip([k for k in ("gain", "initial") if k in kw], args[2:], strict=True))
-        if "documents" in kw:
-            extra["documents"] = docs
-        return fn(args[0], args[1], **extra)
-
-    _same_value_and_grad(lambda *t: call(ops.leaky_average, *t)[0],
-                         lambda *t: call(ops.leaky_average_reference, *t), leaves)
-
-
-def test_leaky_average_decoding_step_writes_in_place():
-    x, init = _leaves((B, H, 1, D), (B, H, D))
-    a = torch.rand(H, dtype=torch.float64)
-    want = ops.leaky_average_reference(x.detach(), a, initial=init.detach())
-    state = init.detach().clone()
-    with torch.no_grad():
-        out, last = ops.leaky_average(x, a, initial=state)
-    assert last.data_ptr() == state.data_ptr()
-    torch.testing.assert_close(out, want)
 
 
 def test_unit_vectors():
