@@ -1,5 +1,6 @@
 """Ops of :mod:`mosaics.ops` against their plain references: value and gradient, float64.
-The leaky average has a file of its own (test_leaky_average.py)."""
+The leaky average and unit vectors have files of their own (test_leaky_average.py,
+test_unit_vectors.py)."""
 
 from __future__ import annotations
 
@@ -28,13 +29,6 @@ def _same_value_and_grad(fast, slow, leaves: list[torch.Tensor]) -> None:
     for a, b in zip(torch.autograd.grad(y_fast, leaves, g), torch.autograd.grad(y_slow, leaves, g),
                     strict=True):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-8)
-
-
-def test_unit_vectors():
-    (x,) = _leaves((B, H, T, D))
-    with torch.no_grad():
-        x[0, 0, 0] = 1e-9  # below eps: x / eps, as F.normalize
-    _same_value_and_grad(ops.unit_vectors, ops.unit_vectors_reference, [x])
 
 
 @pytest.mark.parametrize("previous", [False, True])
