@@ -1,6 +1,7 @@
-"""Ops of :mod:`mosaics.ops` against their plain references: value and gradient, float64.
-The leaky average and unit vectors have files of their own (test_leaky_average.py,
-test_unit_vectors.py)."""
+"""Ops of :mod:`mosaics.ops` against their plain references, value and gradient, float64:
+look-ahead values, causal attention, bank attention. The leaky average, unit vectors and the
+linear cross-entropy have files of their own (test_leaky_average.py, test_unit_vectors.py,
+test_linear_cross_entropy.py)."""
 
 from __future__ import annotations
 
@@ -53,13 +54,3 @@ def test_bank_attention(P):
     with torch.no_grad():  # few rows while decoding: the batched-GEMV form
         torch.testing.assert_close(ops.bank_attention(q[:, :2], k, v),
                                    ops.bank_attention_reference(q[:, :2], k, v))
-
-
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_linear_cross_entropy(reduction):
-    h, w = _leaves((37, D), (11, D))
-    y = torch.randint(0, 11, (37,))
-    y[[3, 20]] = -100
-    _same_value_and_grad(lambda h, w: ops.linear_cross_entropy(h, w, y, -100, reduction, 8),
-                         lambda h, w: ops.linear_cross_entropy_reference(h, w, y, -100,
-                                                                          reduction), [h, w])
