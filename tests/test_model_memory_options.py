@@ -1,7 +1,8 @@
-"""The v2 options inside the model (gated keys, SwiGLU persistent memory, adaptive bandwidth,
-three-level memory, document masking): v1 at init, each option against an explicit loop,
-cached decoding equal to the full forward, documents isolated, training gradients, save /
-load round trip."""
+"""The memory options inside the whole model (gated keys, SwiGLU persistent memory, adaptive
+bandwidth, three-level memory, document masking, and the preset with all of them): v1 at init,
+each option against an explicit loop, cached decoding equal to the full forward, documents
+isolated, training gradients, save / load round trip. The options as modules against their
+formulas: test_memory_options.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from mosaics.reference import contextual_memory_reference, reference_logits
 
 SMALL_LEVELS = dict(three_level_memory=True, short_term_window=6, long_term_gap=4,
                     long_term_gap_range=[3, 7])
-V2_OPTIONS = [dict(gated_keys=True), dict(persistent_memory="swiglu"),
+OPTIONS = [dict(gated_keys=True), dict(persistent_memory="swiglu"),
               dict(gated_keys=True, persistent_memory="swiglu"),
               dict(adaptive_bandwidth=True), SMALL_LEVELS, dict(document_masking=True),
               dict(adaptive_bandwidth=True, document_masking=True, kernel="epanechnikov"),
@@ -65,7 +66,7 @@ def test_gated_keys_start_as_v1():
     assert not torch.allclose(v2(ids).logits, v1(ids).logits, atol=1e-3)
 
 
-@pytest.mark.parametrize("options", V2_OPTIONS)
+@pytest.mark.parametrize("options", OPTIONS)
 def test_cached_decoding_equals_the_full_forward(options):
     torch.manual_seed(0)
     model = MosaicsForCausalLM(_config(**options)).eval()
@@ -89,7 +90,7 @@ def test_cached_decoding_equals_the_full_forward(options):
     assert torch.equal(greedy, again)
 
 
-@pytest.mark.parametrize("options", V2_OPTIONS)
+@pytest.mark.parametrize("options", OPTIONS)
 def test_training_step_and_causality(options):
     torch.manual_seed(0)
     model = MosaicsForCausalLM(_config(**options))
@@ -125,7 +126,7 @@ def test_swiglu_sizes_and_round_trip(tmp_path):
 
 # --- adaptive bandwidth, three-level memory, documents ----------------------------------------
 
-def test_v2_logits_match_reference_model():
+def test_all_options_logits_match_reference_model():
     """Every option at once, the whole stack against the position-by-position reference."""
     torch.manual_seed(3)
     cfg = _config(gated_keys=True, adaptive_bandwidth=True, persistent_memory="swiglu",
@@ -260,92 +261,3 @@ def test_v2_preset_round_trip(tmp_path):
 def test_memory_level_options_are_checked(field, value, message):
     with pytest.raises(ValueError, match=message):
         _config(**{field: value})
-
-
-def test_fska_decodes_intervals_with_running_sums(monkeypatch):
-    """v2 FSKA at one bandwidth per head: after the prompt, every decoding step goes through
-    FSKAKernel.attend_step (running sums, never the dense attend) and equals the full forward,
-    across window trims and document restarts; each step forms features of O(1) keys."""
-    from mosaics.kernels import fska
-
-    options = dict(kernel="fska", gated_keys=True, document_masking=True, **SMALL_LEVELS,
-                   kernel_kwargs=dict(num_features=6, flow_hidden=8, flow_layers=1,
-                                      chunk_size=4))
-    torch.manual_seed(0)
-    model = MosaicsForCausalLM(_config(**options)).eval()
-    _gate_randomly(model)
-    ids = _with_documents(2, 48, seed=3)
-    with torch.no_grad():
-        full = model(ids).logits
-        out = model(ids[:, :10], use_cache=True)
-    rows = []
-    real = fska.elu1_features
-
-    def counting(x, w1, w2):
-        rows.append(x.shape[2])
-        return real(x, w1, w2)
-
-    def no_dense(*args, **kwargs):
-        raise AssertionError("a decoding step took the dense attend")
-
-    monkeypatch.setattr(fska.FSKAKernel, "attend", no_dense)
-    monkeypatch.setattr(fska, "elu1_features", counting)
-    cache, steps = out.cache, [out.logits]
-    with torch.no_grad():
-        for t in range(10, 48):
-            rows.clear()
-            out = model(ids[:, t:t + 1], cache=cache, use_cache=True)
-            cache = out.cache
-            steps.append(out.logits)
-            # from the first step on (the prompt primed the sums), documents included: one
-            # feature call per memory, on the key that enters, the one that leaves, the query
-            memories = sum(len(layer.context) for layer in cache.layers)
-            assert max(rows) <= 3 and len(rows) == memories, rows
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
-    memory = cache.layers[0].context[0].memory  # the short-term memory keeps its sums
-    assert memory.sums.S.dtype == torch.float64 and len(memory) <= 2 * 6
-
-
-def test_fska_long_term_memory_keeps_only_the_entries_its_sums_do_not_hold():
-    """With running sums the long-term memory drops the entries they hold, so the cache stops
-    growing with the context; decoding still equals the full forward (documents, a prompt of
-    several tokens continued by several tokens at once), and a cache so trimmed refuses the
-    dense path instead of answering from missing entries."""
-    options = dict(kernel="fska", document_masking=True, **SMALL_LEVELS, block_size=512,
-                   kernel_kwargs=dict(num_features=6, flow_hidden=8, flow_layers=1,
-                                      chunk_size=4))
-    torch.manual_seed(0)
-    model = MosaicsForCausalLM(_config(**options)).eval()
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(1, 61, (2, 260), generator=g)
-    ids[0, [40, 170]] = SEP
-    ids[1, 120] = SEP
-    with torch.no_grad():
-        full = model(ids).logits
-        out = model(ids[:, :20], use_cache=True)
-        steps, cache = [out.logits], out.cache
-        for t in range(20, 250):
-            out = model(ids[:, t:t + 1], cache=cache, use_cache=True)
-            steps.append(out.logits)
-            cache = out.cache
-        steps.append(model(ids[:, 250:], cache=cache, use_cache=True).logits)
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
-    long = cache.layers[0].context[1]
-    assert long.memory.keys.shape[2] <= 2 * 64 + 10 and long.base > 100
-    with pytest.raises(RuntimeError, match="running sums"):
-        model(ids[:, 250:252], cache=cache, use_cache=True)  # grad enabled: the dense path
-
-
-def test_fska_running_sums_follow_beam_search():
-    """Beam search reorders every tensor of the cache, the running sums and their bounds
-    included: generation with the cache equals generation without it, past the first trims
-    of the long-term memory."""
-    options = dict(kernel="fska", document_masking=True, **SMALL_LEVELS, block_size=512,
-                   kernel_kwargs=dict(num_features=6, flow_hidden=8, flow_layers=1,
-                                      chunk_size=4))
-    torch.manual_seed(0)
-    model = MosaicsForCausalLM(_config(**options)).eval()
-    ids = torch.randint(1, 61, (2, 90), generator=torch.Generator().manual_seed(1))
-    kw = dict(max_new_tokens=40, num_beams=3, do_sample=False, pad_token_id=0,
-              attention_mask=torch.ones_like(ids))
-    assert torch.equal(model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw))
