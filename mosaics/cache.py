@@ -116,10 +116,10 @@ class KernelMemory:
                 and _holds(buffers[1], self.values, n + m)):
             headroom = max((n + m) // MEMORY_HEADROOM, MIN_MEMORY_BUFFER)
             buffers = tuple(_grown(t, n + m + headroom) for t in (self.keys, self.values))
-        for buf, new in zip(buffers, (keys, values)):
-            buf.narrow(2, n, m).copy_(new)
-        out = replace(self, keys=buffers[0].narrow(2, 0, n + m),
-                      values=buffers[1].narrow(2, 0, n + m))
+        buffers[0].narrow(2, n, m).copy_(keys)
+        buffers[1].narrow(2, n, m).copy_(values)
+        out = KernelMemory(buffers[0].narrow(2, 0, n + m), buffers[1].narrow(2, 0, n + m),
+                           self.sums)
         out.buffers = buffers
         return out
 

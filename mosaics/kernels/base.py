@@ -257,15 +257,18 @@ def decode_row(kernel: Kernel, query: Tensor, keys: Tensor, values: Tensor,
     B, H, _, hv = values.shape
     if keys.shape[2] == 0:
         return values.new_zeros(B, H, 1, hv)
+    device = query.device.type
+    if torch.is_autocast_enabled(device):  # the context costs ~3 us a call: only when needed
+        with torch.autocast(device, enabled=False):
+            return decode_row(kernel, query, keys, values, beta)
     q = work_precision(query)
-    with torch.autocast(query.device.type, enabled=False):
-        cos = torch.bmm(batched_rows(q), batched_rows(work_precision(keys)).transpose(1, 2))
-        weights, index = kernel.row_weights(cos.view(B, H, 1, -1),
-                                            work_precision(beta).view(1, H, 1, 1))
-        if index is not None:  # (B, H, 1, c): only these c values can have weight
-            values = gather_rows(values, index.view(B, H, -1))
-        y = torch.bmm(batched_rows(weights), batched_rows(work_precision(values)))
-    y = y.view(B, H, 1, hv)
+    cos = torch.bmm(batched_rows(q), batched_rows(work_precision(keys)).transpose(1, 2))
+    weights, index = kernel.row_weights(cos.view(B, H, 1, -1),
+                                        work_precision(beta).view(1, H, 1, 1))
+    rows = values
+    if index is not None:  # (B, H, 1, c): only these c values can have weight
+        rows = gather_rows(values, index.view(B, H, -1))
+    y = torch.bmm(batched_rows(weights), batched_rows(work_precision(rows))).view(B, H, 1, hv)
     return y if y.dtype == values.dtype else y.to(values.dtype)
 
 
