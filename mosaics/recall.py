@@ -4,10 +4,10 @@ The memory holds one entry (k_s, v_s) per position s; the query at t sees the en
 :func:`mosaics.positions.visible_interval`: the strict past s < t (the v1 block), or an
 interval lo_t <= s <= hi_t (a short-term window, the long-term gap, documents, padding).
 :func:`recall` is the block's one retrieval call: the new queries, the entries they add and
-the decoding memory so far in; the retrievals and the memory to keep out. The kernel answers
-through its strict-past forms (``forward`` over a whole sequence, ``extend`` while decoding),
-its interval form (``attend``, stepped by ``attend_step`` where it keeps running sums) or,
-with ALiBi, the biased retrieval of :mod:`mosaics.kernels.position_bias`.
+the decoding memory so far in; the retrievals and the memory to keep out. A whole sequence
+goes to the kernel's ``forward`` (the strict past) or ``attend`` (intervals); decoding to its
+``step``, which takes the same intervals (None: the strict past); ALiBi to the biased
+retrieval of :mod:`mosaics.kernels.position_bias`.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def recall(kernel: Kernel, queries: Tensor, keys: Tensor, values: Tensor, beta: 
             return y, None, 0
         return y, kernel.memory_of(queries[:, :, :-1], values[:, :, :-1]), 0
     if see.slopes is None:  # decoding: query i at p0 + i sees the entries 0 .. p0 + i - 1
-        y, memory = kernel.extend(memory, queries, keys, values, beta)
+        y, memory = kernel.step(memory, queries, keys, values, beta)
         return y, memory, 0
     memory = memory.append(keys, values)
     y = biased_retrieval(kernel, queries, memory.keys, memory.values, beta, see.slopes,
@@ -133,59 +133,23 @@ def biased_documents(kernel: Kernel, queries: Tensor, memory: KernelMemory, beta
 def _intervals(kernel: Kernel, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                see: Visibility, pos: Positions | None, memory: KernelMemory | None, base: int,
                use_cache: bool) -> tuple[Tensor, KernelMemory | None, int]:
-    """Retrieval over per-query visible intervals with ``Kernel.attend``: the memory holds
-    entries base .. base + len - 1 and the query at p sees lo <= s <= hi."""
+    """Retrieval over per-query visible intervals: the memory holds entries base .. base +
+    len - 1 and the query at p sees lo <= s <= hi."""
     n = queries.shape[2]
-    first_call = memory is None
-    # the kernel's running sums (attend_step) stay beside the appended entries
-    memory = KernelMemory(keys, values) if first_call else memory.append(keys, values)
     gap = pos.gap if see.long and pos is not None else 1
     lo, hi = visible_interval(n, pos, see.window, gap, queries.device)
     if see.bandwidth is not None:
         beta = see.bandwidth((hi - lo + 1).clamp(min=0))
-    stepping = memory.sums is not None and memory.sums.hi is not None
-    step = None
-    if not first_call and (n == 1 or stepping):  # query by query
-        step = _steps(kernel, memory, queries, beta, lo, hi, base)
-    if step is not None:
-        y, memory = step
-    else:
-        if base > 0 and stepping and bool((lo < base).any()):
-            raise RuntimeError(
-                "this decoding cache kept only the running sums of entries a query can "
-                "still see, not the entries: continue it under torch.no_grad() with the "
-                "model in eval mode (as generate does), or rebuild it from the prompt")
-        # the visible intervals plan the retrieval from their values: eager when compiled
+    if memory is not None:  # decoding
+        y, memory = kernel.step(memory, queries, keys, values, beta, lo, hi, base)
+    else:  # the visible intervals plan the retrieval from their values: eager when compiled
         attend = eager_boundary if compiling() else (lambda fn, *args: fn(*args))
-        y = attend(kernel.attend, queries, memory.keys, memory.values, beta,
-                   (lo - base).clamp(min=0), hi - base)
+        y = attend(kernel.attend, queries, keys, values, beta, lo.clamp(min=0), hi)
+        memory = KernelMemory(keys[:, :, :-1], values[:, :, :-1])  # v_{n-1} waits for x_n
     if not use_cache:
         return y, None, base
-    if first_call:  # v_{n-1} waits for x_n
-        memory = memory.drop_last()
-        if len(memory):  # a kernel's running state, from the prompt's last query
-            primed = _steps(kernel, memory, queries[:, :, -1:],
-                            beta if beta.dim() == 1 else beta[..., -1:], lo[:, -1:],
-                            hi[:, -1:], 0)
-            memory = memory if primed is None else primed[1]
     start = n + (0 if pos is None else pos.start)  # absolute position of the next token
     return (y, *_trim(memory, base, start, see.window))
-
-
-def _steps(kernel: Kernel, memory: KernelMemory, queries: Tensor, beta: Tensor, lo: Tensor,
-           hi: Tensor, base: int) -> tuple[Tensor, KernelMemory] | None:
-    """``Kernel.attend_step`` for each of the n queries in turn (each (B or 1, 1) bounds, the
-    bandwidth per head or the query's own), or None where the kernel declines."""
-    ys = []
-    for i in range(queries.shape[2]):
-        b = beta if beta.dim() == 1 else beta[..., i:i + 1]
-        step = kernel.attend_step(memory, queries[:, :, i:i + 1], b, lo[:, i:i + 1],
-                                  hi[:, i:i + 1], base)
-        if step is None:
-            return None
-        ys.append(step[0])
-        memory = step[1]
-    return torch.cat(ys, dim=2), memory
 
 
 def _trim(memory: KernelMemory, base: int, next_pos: int,

@@ -207,7 +207,7 @@ def test_decoding_keeps_its_own_solvers() -> None:
     with ab.use_backend(backend):
         full = kernel(keys, values, beta)
         state = kernel.memory_of(keys[:, :, :10], values[:, :, :10])
-        y, state = kernel.extend(state, keys[:, :, 10:11], keys[:, :, 10:10],
+        y, state = kernel.step(state, keys[:, :, 10:11], keys[:, :, 10:10],
                                  values[:, :, 10:10], beta)
     assert len(backend.calls) == 1  # the whole-sequence forward only
     torch.testing.assert_close(y[:, :, 0], full[:, :, 10], rtol=1e-4, atol=1e-5)

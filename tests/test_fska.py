@@ -337,7 +337,7 @@ def test_kernel_extend_matches_forward(positive, log_beta):
     outs, pos = [], 0
     for n in (1, 4, 1, 6):
         lo, hi = max(pos - 1, 0), pos + n - 1  # positions not yet in memory, all < pos + n - 1
-        y, state = kernel.extend(state, keys[:, :, pos:pos + n], keys[:, :, lo:hi],
+        y, state = kernel.step(state, keys[:, :, pos:pos + n], keys[:, :, lo:hi],
                                  values[:, :, lo:hi], beta)
         outs.append(y)
         pos += n

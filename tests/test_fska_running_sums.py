@@ -13,8 +13,9 @@ from mosaics import MosaicsForCausalLM
 
 def test_fska_decodes_intervals_with_running_sums(monkeypatch):
     """v2 FSKA at one bandwidth per head: after the prompt, every decoding step goes through
-    FSKAKernel.attend_step (running sums, never the dense attend) and equals the full forward,
-    across window trims and document restarts; each step forms features of O(1) keys."""
+    FSKAKernel.step's running sums (never the dense attend) and equals the full forward,
+    across window trims and document restarts; after the first step, which sums its
+    interval, each step forms features of O(1) keys."""
     from mosaics.kernels import fska
 
     options = dict(kernel="fska", gated_keys=True, document_masking=True, **SMALL_LEVELS,
@@ -46,10 +47,10 @@ def test_fska_decodes_intervals_with_running_sums(monkeypatch):
             out = model(ids[:, t:t + 1], cache=cache, use_cache=True)
             cache = out.cache
             steps.append(out.logits)
-            # from the first step on (the prompt primed the sums), documents included: one
-            # feature call per memory, on the key that enters, the one that leaves, the query
+            # one feature call per memory; after the first step, documents included: on the
+            # key that enters, the one that leaves, the query
             memories = sum(len(layer.context) for layer in cache.layers)
-            assert max(rows) <= 3 and len(rows) == memories, rows
+            assert len(rows) == memories and (t == 10 or max(rows) <= 3), rows
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
     memory = cache.layers[0].context[0].memory  # the short-term memory keeps its sums
     assert memory.sums.S.dtype == torch.float64 and len(memory) <= 2 * 6

@@ -370,14 +370,14 @@ def test_extend_equals_forward(name, dtype):
     torch.testing.assert_close(state.keys, keys[:, :, :3])
     outs, pos = [full[:, :, :4]], 4
     for n in (1, 3, 1, 2):
-        y, state = kernel.extend(state, keys[:, :, pos:pos + n], keys[:, :, pos - 1:pos + n - 1],
+        y, state = kernel.step(state, keys[:, :, pos:pos + n], keys[:, :, pos - 1:pos + n - 1],
                                  values[:, :, pos - 1:pos + n - 1], beta)
         outs.append(y)
         pos += n
     assert_close_per_head(torch.cat(outs, dim=2), full, atol)
     # m = n - 1: the first query sees only the existing memory
     state = kernel.memory_of(keys[:, :, :0], values[:, :, :0])
-    y, state = kernel.extend(state, keys, keys[:, :, :-1], values[:, :, :-1], beta)
+    y, state = kernel.step(state, keys, keys[:, :, :-1], values[:, :, :-1], beta)
     assert_close_per_head(y, full, atol)
 
 

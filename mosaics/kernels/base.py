@@ -6,7 +6,7 @@ bandwidth beta into the strict-past retrieval
     y_t = sum_{s < t} w_ts v_s,   w_t. = normalizer(beta * cos(k_t, k_s) for s < t),
 
 with y_0 = 0 (position 0 has no memory). It also supports incremental decoding through
-``memory_of`` / ``extend`` over a typed :class:`~mosaics.cache.KernelMemory`, and
+``memory_of`` / ``step`` over a typed :class:`~mosaics.cache.KernelMemory`, and
 retrieval where each query sees its own interval of memory entries with its own bandwidth
 (``attend``: windows, gaps and documents of Memory Mosaics v2; see docs/v2.md).
 """
@@ -38,8 +38,11 @@ _REGISTRY: dict[str, type[Kernel]] = {}
 class Kernel(nn.Module):
     """Base class of contextual-memory kernels.
 
-    Subclasses implement :meth:`forward` (whole sequence, training) and :meth:`extend`
-    (incremental decoding). ``dropout`` is set by the memory block from the config.
+    A kernel needs :meth:`forward` (the strict past of a whole sequence); the defaults of
+    :meth:`attend` (per-query intervals) and :meth:`step` (decoding) are exact through it,
+    and a kernel overrides them for speed. Score kernels also give their normalizer as
+    :meth:`weights` / :meth:`weights_backward` (ALiBi, attention maps). ``dropout`` is set by
+    the memory block from the config.
     """
 
     name: str = ""
@@ -65,33 +68,41 @@ class Kernel(nn.Module):
 
     def memory_of(self, keys: Tensor, values: Tensor) -> KernelMemory:
         """The decoding memory holding (B, H, m, hs) entries, answering no query (the prompt's
-        entries, for :meth:`extend` to continue)."""
+        entries, for :meth:`step` to continue)."""
         return KernelMemory(keys[:, :, :0], values[:, :, :0]).append(keys, values)
 
-    def extend(self, state: KernelMemory, queries: Tensor, keys: Tensor, values: Tensor,
-               beta: Tensor) -> tuple[Tensor, KernelMemory]:
-        """Add memory entries and answer queries (incremental decoding).
+    def step(self, memory: KernelMemory, queries: Tensor, keys: Tensor, values: Tensor,
+             beta: Tensor, lo: Tensor | None = None, hi: Tensor | None = None,
+             base: int = 0) -> tuple[Tensor, KernelMemory]:
+        """Decoding: add memory entries and answer the queries that follow them.
 
         Args:
-            state: memory so far (:meth:`memory_of`).
+            memory: the memory so far (:meth:`memory_of`, or a previous step's), its first
+                entry at absolute position ``base``.
             queries: (B, H, n, hs) unit query keys of the n new positions.
-            keys, values: (B, H, m, hs) new memory entries, m in {n - 1, n}; query i sees
-                every entry already in ``state`` and new entries j <= i + m - n.
-            beta: (H,) bandwidths.
+            keys, values: (B, H, m, hs) new memory entries, m in {n - 1, n}.
+            beta: (H,) bandwidths, or (B or 1, H, n) one per query with intervals.
+            lo, hi: None for the strict past: query i sees every entry already held and new
+                entries j <= i + m - n. Else (B or 1, n) absolute positions: query i sees the
+                entries lo[i] <= s <= hi[i] (an interval, as in :meth:`attend`).
         Returns:
-            (B, H, n, hs) retrievals and the new state.
+            (B, H, n, hs) retrievals and the memory to keep.
 
-        The default is exact for any kernel but recomputes the whole sequence with
-        :meth:`forward` (O(T^2) per step): the keys of positions 0..p+n-1 are the stored and
-        new memory keys plus the last query, whose own value is never read. Override it for
-        speed.
+        The default appends the entries and answers through :meth:`attend` (intervals) or
+        :meth:`forward` over the whole memory plus the last query, whose own value is never
+        read (the strict past: exact for any kernel, O(T^2) per step). Built-in kernels
+        override the strict past for speed; a kernel that answers from running sums keeps
+        them in ``memory.sums`` with their bounds (:class:`~mosaics.cache.FeatureSums`).
         """
-        state = state.append(keys, values)
-        all_keys = torch.cat([state.keys, queries[:, :, -1:]], dim=2)
-        B, H, _, hv = state.values.shape
-        all_values = torch.cat([state.values, state.values.new_zeros(B, H, 1, hv)], dim=2)
+        memory = memory.append(keys, values)
+        if lo is not None:
+            return self.attend(queries, memory.keys, memory.values, beta,
+                               (lo - base).clamp(min=0), hi - base), memory
+        all_keys = torch.cat([memory.keys, queries[:, :, -1:]], dim=2)
+        B, H, _, hv = memory.values.shape
+        all_values = torch.cat([memory.values, memory.values.new_zeros(B, H, 1, hv)], dim=2)
         n = queries.shape[2]
-        return self.forward(all_keys, all_values, beta)[:, :, -n:], state
+        return self.forward(all_keys, all_values, beta)[:, :, -n:], memory
 
     def attend(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                lo: Tensor, hi: Tensor) -> Tensor:
@@ -138,28 +149,6 @@ class Kernel(nn.Module):
                 rows.append(y[:, :, -1:].to(values.dtype))
             out.append(torch.cat(rows, dim=2) if rows else values.new_zeros(B, H, 0, hv))
         return torch.cat(out, dim=0)
-
-    def attend_step(self, memory: KernelMemory, query: Tensor, beta: Tensor, lo: Tensor,
-                    hi: Tensor, base: int) -> tuple[Tensor, KernelMemory] | None:
-        """Optional fast decoding step over visible intervals: one query per batch row.
-
-        Args:
-            memory: the entries at absolute positions base .. base + S - 1, and the running
-                sums this method kept on earlier steps (``memory.sums``).
-            query: (B, H, 1, hs) unit query; beta: (H,) or (B or 1, H, 1) bandwidths.
-            lo, hi: (B or 1, 1) absolute bounds of the entries the query sees.
-        Returns:
-            None to take :meth:`attend` (the default), or the (B, H, 1, hv) retrieval and the
-            memory to keep.
-
-        A kernel that answers from running sums over the query's interval keeps them as
-        ``memory.sums`` with their bounds (:class:`~mosaics.cache.FeatureSums` ``lo``, ``hi``).
-        The block then steps every later query through this method (several tokens per call
-        one by one), and a memory without a window drops the stored entries up to
-        ``sums.hi``: the kernel must never read them again (their interval starts at the sums'
-        start, or after ``sums.hi``).
-        """
-        return None
 
     def bandwidth(self, beta: Tensor) -> Tensor:
         """The bandwidth the scores use, given the memory's beta_h = exp(2 min(10 b_h, 5)) ((H,),

@@ -322,10 +322,40 @@ class FSKAKernel(Kernel):
                          torch.is_grad_enabled())
         return y.to(values.dtype)
 
-    def attend_step(self, memory: KernelMemory, query: Tensor, beta: Tensor, lo: Tensor,
-                    hi: Tensor, base: int) -> tuple[Tensor, KernelMemory] | None:
-        """A decoding step over visible intervals in O(1) features per token (elu1 map, one
-        bandwidth per head, eval frequencies; otherwise None: :meth:`attend`).
+    def step(self, memory: KernelMemory, queries: Tensor, keys: Tensor, values: Tensor,
+             beta: Tensor, lo: Tensor | None = None, hi: Tensor | None = None,
+             base: int = 0) -> tuple[Tensor, KernelMemory]:
+        """Decoding (:meth:`Kernel.step`). The strict past: O(1) features per token from the
+        running sums of every entry (:meth:`_past_step`). Intervals: the entries are kept; one
+        query at a time from running sums over its interval (:meth:`_interval_step`) when the
+        map is elu1, the bandwidth one per head and nothing needs gradients (the sums exist
+        already, or n = 1), else :meth:`attend` over the entries held."""
+        if lo is None:
+            return self._past_step(memory, queries, keys, values, beta)
+        memory = memory.append(keys, values)
+        run = memory.sums if memory.sums is not None and memory.sums.hi is not None else None
+        n = queries.shape[2]
+        if (not self.training and self.positive == "elu1" and beta.dim() == 1
+                and self.linear_intervals is not False and not torch.is_grad_enabled()
+                and (n == 1 or run is not None)):
+            ys = []
+            for i in range(n):
+                y, memory = self._interval_step(memory, queries[:, :, i:i + 1], beta,
+                                                lo[:, i:i + 1], hi[:, i:i + 1], base)
+                ys.append(y)
+            return torch.cat(ys, dim=2), memory
+        if base > 0 and run is not None and bool((lo < base).any()):
+            raise RuntimeError(
+                "this decoding cache kept only the running sums of entries a query can still "
+                "see, not the entries: continue it under torch.no_grad() with the model in "
+                "eval mode (as generate does), or rebuild it from the prompt")
+        return self.attend(queries, memory.keys, memory.values, beta,
+                           (lo - base).clamp(min=0), hi - base), memory
+
+    def _interval_step(self, memory: KernelMemory, query: Tensor, beta: Tensor, lo: Tensor,
+                       hi: Tensor, base: int) -> tuple[Tensor, KernelMemory]:
+        """One query over its visible interval in O(1) features per token (elu1 map, one
+        bandwidth per head, eval frequencies).
 
         The memory keeps the running sums over the entries the last step saw, in float64
         (``memory.sums``): S = sum_j g(k_j) v_j^T (B, H, M', hv), z = sum_j g(k_j) (B, H, M'),
@@ -334,9 +364,6 @@ class FSKAKernel(Kernel):
         each entry once; a row whose new interval starts past the old one (a new document), or
         whose entries to subtract are no longer stored, restarts from its interval. Then
         y = g(q) S / (g(q) . z + eps), as :meth:`attend`."""
-        if (self.training or self.positive != "elu1" or beta.dim() != 1
-                or self.linear_intervals is False or torch.is_grad_enabled()):
-            return None
         self._check(query)
         keys, values = memory.keys, memory.values
         B, H, S, hv = values.shape
@@ -370,7 +397,7 @@ class FSKAKernel(Kernel):
                     continue
                 a, b = int(start[moves].min()), int(stop[moves].max())
                 if a < base:
-                    raise RuntimeError(f"fska attend_step: entry {a} is needed but the memory "
+                    raise RuntimeError(f"fska step: entry {a} is needed but the memory "
                                        f"starts at {base}; rebuild the cache from the prompt")
                 j = torch.arange(a, b, device=query.device)
                 inside = (j >= start.view(B, 1)) & (j < stop.view(B, 1))  # (B, m)
@@ -513,9 +540,9 @@ class FSKAKernel(Kernel):
             sums = self._add_to_sums(zeros, fk, log_g, values.float())
         return KernelMemory(keys[:, :, :0], values[:, :, :0], sums)
 
-    def extend(self, state: KernelMemory, queries: Tensor, keys: Tensor, values: Tensor,
-               beta: Tensor) -> tuple[Tensor, KernelMemory]:
-        """O(1)-per-token decoding step with the fixed eval frequencies."""
+    def _past_step(self, state: KernelMemory, queries: Tensor, keys: Tensor, values: Tensor,
+                   beta: Tensor) -> tuple[Tensor, KernelMemory]:
+        """A strict-past decoding step in O(1) features per token, at the eval frequencies."""
         self._check(queries)
         self._beta = beta.detach()
         sums = state.sums

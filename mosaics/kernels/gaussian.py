@@ -65,9 +65,12 @@ class GaussianKernel(Kernel):
         dz = p * (dp - (p * dp).sum(dim=-1, keepdim=True))
         return dz * beta, (dz * cos.masked_fill(~mask, 0.0)).sum_to_size(beta.shape)
 
-    def extend(self, state: KernelMemory, queries: Tensor, keys: Tensor, values: Tensor,
-               beta: Tensor) -> tuple[Tensor, KernelMemory]:
-        state = state.append(keys, values)
+    def step(self, memory: KernelMemory, queries: Tensor, keys: Tensor, values: Tensor,
+             beta: Tensor, lo: Tensor | None = None, hi: Tensor | None = None,
+             base: int = 0) -> tuple[Tensor, KernelMemory]:
+        if lo is not None:
+            return super().step(memory, queries, keys, values, beta, lo, hi, base)
+        state = memory.append(keys, values)
         n, total = queries.shape[2], len(state)
         if n == 1:
             return decode_softmax(queries, state.keys, state.values, beta), state

@@ -101,9 +101,12 @@ class ScoreKernel(Kernel):
         y = retrieve(self, keys[:, :, 1:], keys[:, :, :-1], values[:, :, :-1], beta, 0)
         return torch.cat([out[:, :, :1], y], dim=2)
 
-    def extend(self, state: KernelMemory, queries: Tensor, keys: Tensor, values: Tensor,
-               beta: Tensor) -> tuple[Tensor, KernelMemory]:
-        state = state.append(keys, values)
+    def step(self, memory: KernelMemory, queries: Tensor, keys: Tensor, values: Tensor,
+             beta: Tensor, lo: Tensor | None = None, hi: Tensor | None = None,
+             base: int = 0) -> tuple[Tensor, KernelMemory]:
+        if lo is not None:
+            return super().step(memory, queries, keys, values, beta, lo, hi, base)
+        state = memory.append(keys, values)
         if queries.shape[2] == 1 and not _needs_grad(queries, keys, values, beta):
             return decode_row(self, queries, state.keys, state.values, beta), state
         offset = len(state) - queries.shape[2]
