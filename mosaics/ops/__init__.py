@@ -17,8 +17,10 @@ op                       reference                       what it computes
 
 Each op chooses its form inside (device, dtype, sizes, gradients, ``MOSAICS_CPU_EXTENSION``,
 ``MOSAICS_FUSED`` for the Triton kernels: :mod:`.triton_backend`),
-so the model code (:mod:`mosaics.memory`) never names a fused kernel. ``tests/test_ops.py``
-checks every op against its reference, value and gradient, in float64.
+so the model code (:mod:`mosaics.memory`) never names a fused kernel. The tests check every
+op against its reference, value and gradient, in float64 (``tests/test_ops.py`` and one file
+per op: ``test_leaky_average.py``, ``test_unit_vectors.py``, ``test_linear_cross_entropy.py``,
+``test_fused_*.py``, ``test_fska.py``).
 """
 
 from .banks import bank_attention, bank_attention_reference
