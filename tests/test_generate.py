@@ -211,3 +211,22 @@ def test_gather_rows_equals_gather_on_buffers_and_other_layouts():
         index = torch.randint(0, S, (B, H, 5))
         expected = x.gather(2, index.unsqueeze(-1).expand(B, H, -1, D))
         assert torch.equal(gather_rows(x, index), expected)
+
+
+@pytest.mark.parametrize("scale", [7.4, 22026.0])  # many candidates (a dense row), few
+def test_decode_row_equals_the_dense_weights(scale):
+    from mosaics.kernels.base import decode_row
+
+    kernel = get_kernel("epanechnikov")
+    torch.manual_seed(2)
+    keys = torch.randn(2, 4, 300, 8, dtype=torch.float64)
+    keys[:, :, 100:] = keys[:, :, -1:] + 0.05 * keys[:, :, 100:]  # near the query: candidates
+    keys = torch.nn.functional.normalize(keys, dim=-1)
+    values = torch.randn(2, 4, 300, 8, dtype=torch.float64)
+    query = keys[:, :, -1:]
+    beta = torch.full((4,), scale, dtype=torch.float64)
+    cos = query @ keys.transpose(-1, -2)
+    count = kernel.row_weights(cos, beta.view(1, 4, 1, 1))[1].shape[-1]
+    assert (count * 8 >= 300) == (scale < 100)  # both paths of decode_row are taken
+    weights = kernel.weights(cos, beta.view(1, 4, 1, 1), torch.ones(1, 300, dtype=torch.bool))
+    torch.testing.assert_close(decode_row(kernel, query, keys, values, beta), weights @ values)

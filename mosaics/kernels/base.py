@@ -256,7 +256,11 @@ def decode_row(kernel: Kernel, query: Tensor, keys: Tensor, values: Tensor,
                                         work_precision(beta).view(1, H, 1, 1))
     rows = values
     if index is not None:  # (B, H, 1, c): only these c values can have weight
-        rows = gather_rows(values, index.view(B, H, -1))
+        if index.shape[-1] * 8 < keys.shape[2]:  # few: read just their values
+            rows = gather_rows(values, index.view(B, H, -1))
+        else:  # many: one dense row, faster than gathering them (B 1, H 4, S 511, hs 64:
+            # 19 against 27 us at c = 212, equal at c = 64)
+            weights = weights.new_zeros(B, H, 1, keys.shape[2]).scatter_(-1, index, weights)
     y = torch.bmm(batched_rows(weights), batched_rows(work_precision(rows))).view(B, H, 1, hv)
     return y if y.dtype == values.dtype else y.to(values.dtype)
 
