@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from .normalizers import work_dtype
+from ..ops.entmax import work_dtype
 
 ENV_SWITCH = "MOSAICS_ADASPLASH"  # "0" keeps the chunked path everywhere
 HEAD_DIMS = (16, 32, 64, 128, 256)  # head sizes adasplash's kernels are compiled for

@@ -22,20 +22,21 @@ import os
 
 from torch import Tensor
 
+from ..ops.entmax import check_alpha, entmax_backward, entmax_exponent, entmax_tau
 from ..ops.triton_backend import fused_reason
 from .adasplash_backend import ENV_SWITCH as ADASPLASH_SWITCH
 from .adasplash_backend import retrieval as adasplash_retrieval
 from .adasplash_backend import skip_reason as adasplash_skip_reason
 from .base import register_kernel
 from .entmax_rows import SORTED_ROW_SOLVERS
-from .normalizers import check_alpha, entmax_backward, entmax_exponent, entmax_tau
 from .score_kernel import PowerKernel, check_positive, check_positive_int
 
 
 @register_kernel("entmax")
 class EntmaxKernel(PowerKernel):
     """alpha-entmax over the strict past: u = [(alpha - 1) beta (c - max c) - tau]_+, r = 1 /
-    (alpha - 1), tau from :func:`~.normalizers.entmax_tau` (Newton from a block lower bound)."""
+    (alpha - 1), tau from :func:`~mosaics.ops.entmax.entmax_tau` (Newton from a block lower
+    bound)."""
 
     entmax_gradient = True
     use_adasplash = True  # False: keep the chunked path on CUDA too

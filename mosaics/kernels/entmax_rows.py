@@ -1,6 +1,6 @@
 """alpha-entmax of score rows that see every memory entry: the decoding step's normalizer.
 
-The training solvers (:mod:`.normalizers`) handle masks, rows without any valid entry and
+The training solvers (:mod:`mosaics.ops.entmax`) handle masks, rows without any valid entry and
 chunks of many rows. A decoding step has one row per (batch, head), every entry valid and at
 least one of them. Only entries within 1 / (alpha - 1) of the row max can have weight, so
 sparsemax (alpha = 2) and 1.5-entmax sort just those candidates (``topk``), solve for the

@@ -37,10 +37,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ..ops.entmax import BLOCK, block_max, entmax_backward, shifted_scores, work_dtype
 from ..ops.knn_attention import knn_attention, knn_unsupported
 from ..ops.triton_backend import fused_expected, fused_reason, note_path
 from .base import register_kernel
-from .normalizers import BLOCK, block_max, entmax_backward, shifted_scores, work_dtype
 from .score_kernel import ScoreKernel, _flat_rows, _Tiles, check_positive_int
 
 

@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..cache import KernelMemory
+from ..ops.entmax import BLOCK, block_max, entmax_power, pad_to_block, work_dtype
 from ..ops.power_attention import power_attention
 from ..ops.triton_backend import fused_expected, fused_reason, note_path
 from .base import (
@@ -40,7 +41,6 @@ from .base import (
     interval_mask,
     shared_slice,
 )
-from .normalizers import BLOCK, block_max, entmax_power, pad_to_block, work_dtype
 
 CHUNK_ELEMENTS = 2**21  # target size of one (B, H, rows, keys) fp32 block, ~8 MB
 FUSED_MAX_HEAD = 128  # largest head or value size of the fused Triton kernels

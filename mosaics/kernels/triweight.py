@@ -2,7 +2,7 @@
 
 (4/3)-entmax(z)_s = [z_s / 3 - tau]_+^3: the Nadaraya-Watson estimator with
 K(u) = (1 - u^2)_+^3 and a per-query bandwidth. tau by Newton's method from a lower bound
-(:func:`~.normalizers.entmax_tau`), then renormalized. Option: ``n_iter`` (default 50), the
+(:func:`~mosaics.ops.entmax.entmax_tau`), then renormalized. Option: ``n_iter`` (default 50), the
 cap on Newton steps.
 """
 

@@ -13,6 +13,7 @@ op                       reference                       what it computes
 ``power_attention``      ``power_attention_reference``   [a (q.k - m) - s]_+^r / sum, j in lo..hi
 ``knn_attention``        ``knn_attention_reference``     softmax or 1/count on the top-k q.k
 ``interval_linear_at..`` ``interval_linear_at.._ref..``  sum_j f_i.g_j [v_j, 1], j in lo..hi
+``entmax``               ``entmax_reference``            [(alpha - 1)(z - max z) - tau]_+^r
 =======================  ==============================  ======================================
 
 Each op chooses its form inside (device, dtype, sizes, gradients, ``MOSAICS_CPU_EXTENSION``,
@@ -20,11 +21,12 @@ Each op chooses its form inside (device, dtype, sizes, gradients, ``MOSAICS_CPU_
 so the model code (:mod:`mosaics.memory`) never names a fused kernel. The tests check every
 op against its reference, value and gradient, in float64 (``tests/test_ops.py`` and one file
 per op: ``test_leaky_average.py``, ``test_unit_vectors.py``, ``test_linear_cross_entropy.py``,
-``test_fused_*.py``, ``test_fska.py``).
+``test_fused_*.py``, ``test_fska.py``, ``test_entmax.py``).
 """
 
 from .banks import bank_attention, bank_attention_reference
 from .causal import causal_attention, causal_attention_reference
+from .entmax import entmax, entmax_reference
 from .feature_attention import interval_linear_attention, interval_linear_attention_reference
 from .fused_loss import linear_cross_entropy, linear_cross_entropy_reference
 from .knn_attention import knn_attention, knn_attention_reference
@@ -46,6 +48,8 @@ __all__ = [
     "causal_linear_attention",
     "causal_linear_attention_reference",
     "decay_rate",
+    "entmax",
+    "entmax_reference",
     "interval_linear_attention",
     "interval_linear_attention_reference",
     "knn_attention",
