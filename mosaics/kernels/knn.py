@@ -39,9 +39,10 @@ from torch.autograd.function import once_differentiable
 
 from ..ops.entmax import BLOCK, block_max, entmax_backward, shifted_scores, work_dtype
 from ..ops.knn_attention import knn_attention, knn_unsupported
+from ..ops.score_retrieval import _flat_rows, _Tiles
 from ..ops.triton_backend import fused_expected, fused_reason, note_path
 from .base import register_kernel
-from .score_kernel import ScoreKernel, _flat_rows, _Tiles, check_positive_int
+from .score_kernel import ScoreKernel, check_positive_int
 
 
 def top_k_support(x: Tensor, k: int) -> Tensor:

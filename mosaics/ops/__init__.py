@@ -14,14 +14,20 @@ op                       reference                       what it computes
 ``knn_attention``        ``knn_attention_reference``     softmax or 1/count on the top-k q.k
 ``interval_linear_at..`` ``interval_linear_at.._ref..``  sum_j f_i.g_j [v_j, 1], j in lo..hi
 ``entmax``               ``entmax_reference``            [(alpha - 1)(z - max z) - tau]_+^r
+``score_retrieval``      ``score_retrieval_reference``   normalizer(beta q.k, j <= i + d) v
+``interval_score_r..``   ``score_retrieval_reference``   the same over lo_i <= j <= hi_i
+``power_retrieval``      ``power_attention_reference``   power_attention in PyTorch tiles
 =======================  ==============================  ======================================
 
 Each op chooses its form inside (device, dtype, sizes, gradients, ``MOSAICS_CPU_EXTENSION``,
 ``MOSAICS_FUSED`` for the Triton kernels: :mod:`.triton_backend`),
-so the model code (:mod:`mosaics.memory`) never names a fused kernel. The tests check every
-op against its reference, value and gradient, in float64 (``tests/test_ops.py`` and one file
-per op: ``test_leaky_average.py``, ``test_unit_vectors.py``, ``test_linear_cross_entropy.py``,
-``test_fused_*.py``, ``test_fska.py``, ``test_entmax.py``).
+so the model code (:mod:`mosaics.memory`) never names a fused kernel. The score retrievals
+(:mod:`.score_retrieval`) are the PyTorch forms the kernels of :mod:`mosaics.kernels` take
+where the Triton kernels do not serve a call; they receive the kernel whose normalizer they
+apply as an argument (nothing here imports the kernels). The tests check every op against its
+reference, value and gradient, in float64 (``tests/test_ops.py`` and one file per op:
+``test_leaky_average.py``, ``test_unit_vectors.py``, ``test_linear_cross_entropy.py``,
+``test_fused_*.py``, ``test_fska.py``, ``test_entmax.py``, ``test_score_retrieval.py``).
 """
 
 from .banks import bank_attention, bank_attention_reference
@@ -33,6 +39,12 @@ from .knn_attention import knn_attention, knn_attention_reference
 from .leaky import decay_rate, leaky_average, leaky_average_reference
 from .linear_attention import causal_linear_attention, causal_linear_attention_reference
 from .power_attention import power_attention, power_attention_reference
+from .score_retrieval import (
+    interval_score_retrieval,
+    power_retrieval,
+    score_retrieval,
+    score_retrieval_reference,
+)
 from .unit import (
     lookahead_values,
     lookahead_values_reference,
@@ -52,6 +64,7 @@ __all__ = [
     "entmax_reference",
     "interval_linear_attention",
     "interval_linear_attention_reference",
+    "interval_score_retrieval",
     "knn_attention",
     "knn_attention_reference",
     "leaky_average",
@@ -62,6 +75,9 @@ __all__ = [
     "lookahead_values_reference",
     "power_attention",
     "power_attention_reference",
+    "power_retrieval",
+    "score_retrieval",
+    "score_retrieval_reference",
     "unit_vectors",
     "unit_vectors_reference",
 ]
