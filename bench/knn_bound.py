@@ -1,11 +1,11 @@
 """The kNN kernels' two training forms, forward + backward of one layer's strict-past retrieval.
 
-- ``tiled``: :class:`mosaics.kernels.knn._TopKRetrieval`, the form for long memories (the k
-  best entries of each row found per tile of query rows; everything after works on the k
-  selected rows: bag-sums, gathers and scatter-adds);
-- ``dense``: :class:`mosaics.kernels.knn._DenseTopKRetrieval`, the form for short memories
-  (the whole score matrix, one top-k per row, the weights scattered into a dense matrix and
-  every product a batched GEMM), which ``retrieval`` takes when there are at most
+- ``tiled``: :func:`mosaics.ops.topk_retrieval.top_k_retrieval`, the form for long memories
+  (the k best entries of each row found per tile of query rows; everything after works on the
+  k selected rows: bag-sums, gathers and scatter-adds);
+- ``dense``: :func:`mosaics.ops.topk_retrieval.dense_top_k_retrieval`, the form for short
+  memories (the whole score matrix, one top-k per row, the weights scattered into a dense
+  matrix and every product a batched GEMM), which ``retrieval`` takes when there are at most
   ``chunk_elements`` scores.
 
 Shapes: batch x heads query rows of T - 1 positions over T - 1 keys (the model's retrieval
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from timing import add_clock_option, best_of, get_clock
 
 from mosaics.kernels import get_kernel
-from mosaics.kernels.knn import _DenseTopKRetrieval
+from mosaics.ops import dense_top_k_retrieval
 
 
 def run(kernel, q: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, dense: bool):  # noqa: ANN001, ANN201
@@ -33,7 +33,7 @@ def run(kernel, q: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, dense: boo
         q.grad = v.grad = beta.grad = None
         qs, ks, vs = q[:, :, 1:], q[:, :, :-1], v[:, :, :-1]
         if dense:
-            y = _DenseTopKRetrieval.apply(qs, ks, vs, beta, kernel, 0)
+            y = dense_top_k_retrieval(qs, ks, vs, beta, kernel, 0)
         else:
             y = kernel.tiled(qs, ks, vs, beta.view(1, -1, 1, 1), kernel.past_tiles(0))
         y.square().sum().backward()

@@ -1,7 +1,9 @@
 """The score retrievals of :mod:`mosaics.ops` against their plain references, value and
 gradient, float64: the chunked strict-past and interval retrievals with a kernel's normalizer
-(``score_retrieval``, ``interval_score_retrieval`` / ``score_retrieval_reference``) and the power
-kernels' tiles (``power_retrieval`` / ``power_attention_reference``)."""
+(``score_retrieval``, ``interval_score_retrieval`` / ``score_retrieval_reference``), the power
+kernels' tiles (``power_retrieval`` / ``power_attention_reference``) and the kNN kernels' tiled
+and dense forms (``top_k_retrieval``, ``dense_top_k_retrieval`` /
+``knn_attention_reference``)."""
 
 from __future__ import annotations
 
@@ -146,3 +148,34 @@ def test_power_retrieval(name, form, per_query):
             q, k, v, (kernel.score_scale * beta4(b)).expand(B, H, T, 1), lo, hi,
             r=kernel.power, anchor=anchor, shift=shift, entmax=entmax),
         [q, k, v, beta])
+
+
+@pytest.mark.parametrize("form", ["dense", "past", "intervals"])
+@pytest.mark.parametrize("uniform", [False, True])
+def test_top_k_retrieval(uniform, form):
+    kernel = get_kernel("uniform_knn" if uniform else "gaussian_knn", k=3)
+    n, S, offset = (T, T + 3, 2) if form == "dense" else (40, 300, 260)  # 300: block search
+    q, k = _unit_leaves((B, H, n, D), (B, H, S, D))
+    (v,) = _leaves((B, H, S, D))
+    beta = _bandwidth(H)
+    lo = hi = None
+    if form == "dense":
+        def fast(q, k, v, b):
+            return ops.dense_top_k_retrieval(q, k, v, b, kernel, offset)
+    else:
+        if form == "intervals":
+            lo, hi = _windows(n, S, 200)
+            tiles = kernel.interval_tiles(lo, hi, S, B, H)
+        else:
+            tiles = kernel.past_tiles(offset)
+
+        def fast(q, k, v, b):
+            return ops.top_k_retrieval(q, k, v, b.view(1, H, 1, 1), kernel, tiles)
+
+    def slow(q, k, v, b):
+        return ops.knn_attention_reference(q, k, v, b, offset, 3, uniform, lo, hi)
+
+    if uniform:  # weights constant in the scores: only the values get a gradient
+        _same_value_and_grad(lambda v: fast(q, k, v, beta), lambda v: slow(q, k, v, beta), [v])
+    else:
+        _same_value_and_grad(fast, slow, [q, k, v, beta])

@@ -17,17 +17,20 @@ op                       reference                       what it computes
 ``score_retrieval``      ``score_retrieval_reference``   normalizer(beta q.k, j <= i + d) v
 ``interval_score_r..``   ``score_retrieval_reference``   the same over lo_i <= j <= hi_i
 ``power_retrieval``      ``power_attention_reference``   power_attention in PyTorch tiles
+``top_k_retrieval``      ``knn_attention_reference``     knn_attention in PyTorch tiles
+``dense_top_k_retr..``   ``knn_attention_reference``     the same, dense (short memories)
 =======================  ==============================  ======================================
 
 Each op chooses its form inside (device, dtype, sizes, gradients, ``MOSAICS_CPU_EXTENSION``,
 ``MOSAICS_FUSED`` for the Triton kernels: :mod:`.triton_backend`),
 so the model code (:mod:`mosaics.memory`) never names a fused kernel. The score retrievals
-(:mod:`.score_retrieval`) are the PyTorch forms the kernels of :mod:`mosaics.kernels` take
-where the Triton kernels do not serve a call; they receive the kernel whose normalizer they
-apply as an argument (nothing here imports the kernels). The tests check every op against its
-reference, value and gradient, in float64 (``tests/test_ops.py`` and one file per op:
-``test_leaky_average.py``, ``test_unit_vectors.py``, ``test_linear_cross_entropy.py``,
-``test_fused_*.py``, ``test_fska.py``, ``test_entmax.py``, ``test_score_retrieval.py``).
+(:mod:`.score_retrieval`, :mod:`.topk_retrieval`) are the PyTorch forms the kernels of
+:mod:`mosaics.kernels` take where the Triton kernels do not serve a call; they receive the
+kernel whose normalizer they apply as an argument (nothing here imports the kernels). The
+tests check every op against its reference, value and gradient, in float64
+(``tests/test_ops.py`` and one file per op: ``test_leaky_average.py``,
+``test_unit_vectors.py``, ``test_linear_cross_entropy.py``, ``test_fused_*.py``,
+``test_fska.py``, ``test_entmax.py``, ``test_score_retrieval.py``).
 """
 
 from .banks import bank_attention, bank_attention_reference
@@ -45,6 +48,7 @@ from .score_retrieval import (
     score_retrieval,
     score_retrieval_reference,
 )
+from .topk_retrieval import dense_top_k_retrieval, top_k_retrieval
 from .unit import (
     lookahead_values,
     lookahead_values_reference,
@@ -60,6 +64,7 @@ __all__ = [
     "causal_linear_attention",
     "causal_linear_attention_reference",
     "decay_rate",
+    "dense_top_k_retrieval",
     "entmax",
     "entmax_reference",
     "interval_linear_attention",
@@ -78,6 +83,7 @@ __all__ = [
     "power_retrieval",
     "score_retrieval",
     "score_retrieval_reference",
+    "top_k_retrieval",
     "unit_vectors",
     "unit_vectors_reference",
 ]
