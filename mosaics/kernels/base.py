@@ -169,16 +169,6 @@ class Kernel(nn.Module):
         """(d cos, d beta summed to beta's shape) given the weights p and their gradient dp."""
         raise NotImplementedError(f"kernel {self.name!r} has no score normalizer")
 
-    def weights_and_state(self, cos: Tensor, beta: Tensor,
-                          mask: Tensor) -> tuple[Tensor, Tensor | None]:
-        """Weights plus an optional small per-row state (B, H, n, c) kept for backward."""
-        return self.weights(cos, beta, mask), None
-
-    def weights_from_state(self, cos: Tensor, beta: Tensor, mask: Tensor,
-                           state: Tensor | None) -> Tensor:
-        """Recompute the weights in backward, helped by the state of :meth:`weights_and_state`."""
-        return self.weights(cos, beta, mask)
-
     def regularization(self) -> Tensor | None:
         """An extra training loss term of this kernel (e.g. FSKA's KL), or None."""
         return None

@@ -8,8 +8,7 @@ object with the normalizer's methods: :class:`ScoreNormalizer`, :class:`PowerNor
 an argument:
 
 - :func:`score_retrieval`: the strict past j <= i + offset, optionally with an ALiBi bias,
-  chunk by chunk of query rows, with any normalizer's ``weights_and_state`` /
-  ``weights_from_state`` / ``weights_backward``;
+  chunk by chunk of query rows, with any normalizer's ``weights`` / ``weights_backward``;
 - :func:`interval_score_retrieval`: the same over per-query intervals lo_i <= j <= hi_i with a
   bandwidth per head or per query, in the row chunks of a plan
   (:func:`~.intervals.attend_plan`);
@@ -52,11 +51,7 @@ class ScoreNormalizer(Protocol):
 
     chunk_elements: int
 
-    def weights_and_state(self, cos: Tensor, beta: Tensor,
-                          mask: Tensor) -> tuple[Tensor, Tensor | None]: ...
-
-    def weights_from_state(self, cos: Tensor, beta: Tensor, mask: Tensor,
-                           state: Tensor | None) -> Tensor: ...
+    def weights(self, cos: Tensor, beta: Tensor, mask: Tensor) -> Tensor: ...
 
     def weights_backward(self, p: Tensor, dp: Tensor, cos: Tensor, beta: Tensor,
                          mask: Tensor) -> tuple[Tensor, Tensor]: ...
@@ -164,8 +159,8 @@ def _distances(a: int, b: int, width: int, offset: int, device: torch.device) ->
 
 class _ChunkedRetrieval(torch.autograd.Function):
     """y_i = sum_j w_ij v_j over j <= i + offset, chunk by chunk of query rows, with any
-    kernel's ``weights`` / ``weights_backward`` (O(n) saved: the inputs and the kernels'
-    per-row states; each chunk's cosines and weights are recomputed in backward).
+    kernel's ``weights`` / ``weights_backward`` (O(n) saved: the inputs; each chunk's cosines
+    and weights are recomputed in backward).
 
     ``slopes`` (H,), optional: the ALiBi bias, scores beta cos - m (t - j), given to the
     kernel as the shifted cosines cos' = cos - (m / beta)(t - j); its bandwidth gradient then
@@ -182,17 +177,15 @@ class _ChunkedRetrieval(torch.autograd.Function):
             q, k, v = queries.to(wd), keys.to(wd), values.to(wd)
             bb = beta.to(wd).view(1, H, 1, 1)
             shift = None if slopes is None else slopes.to(wd).view(1, H, 1, 1) / bb
-            states: list[Tensor | None] = []
             chunks = list(_chunks(n, S, offset, _rows_per_chunk(kernel, B * H, S)))
             for a, b, width in chunks:
                 mask = _chunk_mask(a, b, width, offset, q.device)
                 cos = q[:, :, a:b] @ k[:, :, :width].transpose(-1, -2)
                 if shift is not None:
                     cos = cos - shift * _distances(a, b, width, offset, q.device).to(wd)
-                p, state = kernel.weights_and_state(cos, bb, mask)
-                states.append(state)
+                p = kernel.weights(cos, bb, mask)
                 out[:, :, a:b] = (p @ v[:, :, :width]).to(out.dtype)
-        ctx.kernel, ctx.offset, ctx.states = kernel, offset, states  # O(n) per-row states
+        ctx.kernel, ctx.offset = kernel, offset
         # a single chunk is small by construction: keep it rather than recompute it
         keep = len(chunks) == 1 and any(ctx.needs_input_grad[:4])
         ctx.block = (cos, p) if keep else None
@@ -215,7 +208,7 @@ class _ChunkedRetrieval(torch.autograd.Function):
             dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
             dbeta = torch.zeros(H, dtype=wd, device=q.device)
             chunks = _chunks(n, S, offset, _rows_per_chunk(kernel, B * H, S))
-            for (a, b, width), state in zip(chunks, ctx.states):
+            for a, b, width in chunks:
                 mask = _chunk_mask(a, b, width, offset, q.device)
                 qc, kc, vc, gc = q[:, :, a:b], k[:, :, :width], v[:, :, :width], go[:, :, a:b]
                 dist = None if shift is None else _distances(a, b, width, offset, q.device).to(wd)
@@ -225,7 +218,7 @@ class _ChunkedRetrieval(torch.autograd.Function):
                     cos = qc @ kc.transpose(-1, -2)
                     if dist is not None:
                         cos = cos - shift * dist
-                    p = kernel.weights_from_state(cos, bb, mask, state)
+                    p = kernel.weights(cos, bb, mask)
                 dv[:, :, :width] += p.transpose(-1, -2) @ gc
                 dp = gc @ vc.transpose(-1, -2)
                 dcos, db = kernel.weights_backward(p, dp, cos, bb, mask)
@@ -245,7 +238,7 @@ class _IntervalRetrieval(torch.autograd.Function):
     and ``weights_backward`` on (B, H, rows, columns) blocks, masks
     (B or 1, 1, rows, columns) and bandwidths (B or 1, H, rows or 1, 1).
 
-    Saved: the inputs and the kernels' small per-row states; backward recomputes each chunk's
+    Saved: the inputs; backward recomputes each chunk's
     cosines and weights, then dV = W^T dY, dW = dY V^T, (d cos, d beta) from the kernel,
     dQ = d cos K, dK = d cos^T Q (d cos already holds the bandwidth).
     """
@@ -257,16 +250,14 @@ class _IntervalRetrieval(torch.autograd.Function):
         B, H, n, _ = queries.shape
         wd = work_dtype(queries.dtype)
         out = values.new_zeros(B, H, n, values.shape[-1])
-        states: list[Tensor | None] = []
         with torch.autocast(queries.device.type, enabled=False):
             q, k, v, bw = queries.to(wd), keys.to(wd), values.to(wd), beta.to(wd)
             for a, b, c0, c1 in plan:
                 mask = interval_mask(lo, hi, a, b, c0, c1)
                 cos = q[:, :, a:b] @ k[:, :, c0:c1].transpose(-1, -2)
-                p, state = kernel.weights_and_state(cos, _beta_rows(bw, a, b), mask)
-                states.append(state)
+                p = kernel.weights(cos, _beta_rows(bw, a, b), mask)
                 out[:, :, a:b] = (p @ v[:, :, c0:c1]).to(out.dtype)
-        ctx.kernel, ctx.plan, ctx.states = kernel, plan, states
+        ctx.kernel, ctx.plan = kernel, plan
         keep = len(plan) == 1 and any(ctx.needs_input_grad[:4])  # one small block: keep it
         ctx.block = (cos, p) if keep else None
         ctx.save_for_backward(queries, keys, values, beta, lo, hi)
@@ -283,7 +274,7 @@ class _IntervalRetrieval(torch.autograd.Function):
             go = grad_out.to(wd)
             dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
             dbeta = torch.zeros_like(bw)
-            for (a, b, c0, c1), state in zip(ctx.plan, ctx.states):
+            for a, b, c0, c1 in ctx.plan:
                 mask = interval_mask(lo, hi, a, b, c0, c1)
                 qc, kc, vc, gc = q[:, :, a:b], k[:, :, c0:c1], v[:, :, c0:c1], go[:, :, a:b]
                 bb = _beta_rows(bw, a, b)
@@ -291,7 +282,7 @@ class _IntervalRetrieval(torch.autograd.Function):
                     cos, p = ctx.block
                 else:
                     cos = qc @ kc.transpose(-1, -2)
-                    p = kernel.weights_from_state(cos, bb, mask, state)
+                    p = kernel.weights(cos, bb, mask)
                 dv[:, :, c0:c1] += p.transpose(-1, -2) @ gc
                 dcos, db = kernel.weights_backward(p, gc @ vc.transpose(-1, -2), cos, bb, mask)
                 dcos = dcos.masked_fill(~mask, 0.0)
