@@ -346,7 +346,8 @@ def test_mqmtar_runs_log_the_recall_paths_at_every_validation(tmp_path, capsys):
     """A Memory Mosaics MQMTAR run logs each path's best-head mass and the v1 / v2 accuracy
     at every validation; the last one equals a fresh profile of the saved model, and
     `mosaics eval routes` reads them back from the result file and from metrics.jsonl."""
-    from mosaics.evaluation import experiments, retrieval
+    from mosaics.evaluation import experiments
+    from mosaics.evaluation.analysis import retrieval
     from mosaics.evaluation.cli import main
     from mosaics.evaluation.experiments import EXTRAPOLATION_PRESETS, with_overrides
     from mosaics.evaluation.models import load_model
@@ -396,7 +397,7 @@ def test_mqmtar_runs_log_the_recall_paths_at_every_validation(tmp_path, capsys):
 
 
 def test_path_logging_refuses_what_has_no_paths():
-    from mosaics.evaluation import retrieval
+    from mosaics.evaluation.analysis import retrieval
     from mosaics.evaluation.experiments import TaskExactMatch
 
     with pytest.raises(ValueError, match="task 'sort' has none"):
@@ -406,7 +407,7 @@ def test_path_logging_refuses_what_has_no_paths():
 
 
 def test_route_history_merges_the_rows_of_one_step():
-    from mosaics.evaluation import retrieval
+    from mosaics.evaluation.analysis import retrieval
 
     routes = {f"val/{k}": 0.5 for k in (*retrieval.PATHS, "v1_accuracy", "v2_accuracy")}
     rows = [{"step": 4, "val/loss": 1.0}, {"step": 4, "val/exact_match": 0.25, **routes},

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from mosaics import MosaicsConfig, MosaicsForCausalLM
-from mosaics.evaluation import retrieval, tasks
+from mosaics.evaluation import tasks
+from mosaics.evaluation.analysis import retrieval
 from mosaics.evaluation.cli import main
 from mosaics.memory import NORM_EPS, merge_heads
 from mosaics.ops import lookahead_values

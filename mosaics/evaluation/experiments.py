@@ -34,7 +34,8 @@ from ..training.trainer import (
     count_parameters,
     make_accelerator,
 )
-from . import regbench, retrieval, tasks
+from . import regbench, tasks
+from .analysis import retrieval
 from .models import is_mosaics, load_model, model_config, saved_label
 
 
@@ -325,9 +326,9 @@ class TaskExactMatch(Hook):
     the wall time since training started, logged as extra rows of ``metrics.jsonl`` (and
     merged into the trainer's history). With ``paths`` (MQMTAR, a v1 Memory Mosaics model with
     a score kernel: every kernel but FSKA), also the recall's path masses at their best heads
-    and the v1 / v2 token accuracy (:func:`~mosaics.evaluation.retrieval.path_summary`, keys
-    ``val/direct_mass``, ..., ``val/v1_accuracy``) on the first ``PATH_SAMPLES`` validation
-    samples."""
+    and the v1 / v2 token accuracy (keys ``val/direct_mass``, ..., ``val/v1_accuracy``:
+    :func:`~mosaics.evaluation.analysis.retrieval.path_summary`) on the first
+    ``PATH_SAMPLES`` validation samples."""
 
     PATH_SAMPLES = 32
 

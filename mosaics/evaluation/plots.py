@@ -89,9 +89,9 @@ def plot_extrapolation(results: dict[str, Any], path: str | Path) -> Path:
 
 def plot_retrieval(profiles: dict[str, dict[int, dict[str, Any]]], path: str | Path) -> Path:
     """Block mass and effective support of each model's retrieval head
-    (:func:`mosaics.evaluation.retrieval.retrieval_head`), and the entry mass of the direct and
-    the second path (each its own best head), against test length (log2 axes)."""
-    from .retrieval import retrieval_head
+    (:func:`mosaics.evaluation.analysis.retrieval.retrieval_head`), and the entry mass of the
+    direct and the second path (each its own best head), against test length (log2 axes)."""
+    from .analysis.retrieval import retrieval_head
 
     metrics = [m for m in ("block_mass", "direct_mass", "second_mass", "effective")
                if all(m in p for prof in profiles.values() for p in prof.values())]
@@ -155,8 +155,8 @@ def plot_loss_by_position(loss_by_position: list[float] | dict[str, list[float]]
 def plot_routes(histories: dict[str, list[dict[str, Any]]], path: str | Path) -> Path:
     """One panel per MQMTAR run: the best-head entry mass of each path of the recall and the
     v1 accuracy and validation exact match against the training step
-    (:func:`mosaics.evaluation.retrieval.route_history` rows)."""
-    from .retrieval import PATHS
+    (:func:`mosaics.evaluation.analysis.retrieval.route_history` rows)."""
+    from .analysis.retrieval import PATHS
 
     cols = min(3, len(histories))
     rows = -(-len(histories) // cols)

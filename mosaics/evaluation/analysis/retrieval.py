@@ -46,12 +46,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import tasks
+from .. import tasks
 
 
 def memory_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The contextual memories of a Memory Mosaics model in order (one per layer in v1)."""
-    from ..memory import ContextualMemory
+    from ...memory import ContextualMemory
 
     found = [m for m in model.modules() if isinstance(m, ContextualMemory)]
     if not found:
@@ -83,7 +83,7 @@ def set_bandwidth(model: torch.nn.Module, layer: int, head: int, beta: float) ->
     (beta = exp(2 min(10 b, 5)), so 0 < beta <= e^10), the other weights unchanged. That is
     the memory's beta, before the kernel's ``bandwidth`` map (which only the published-code
     parametrizations change)."""
-    from ..memory import BETA_LOG_CAP, EXP_SCALE
+    from ...memory import BETA_LOG_CAP, EXP_SCALE
 
     mems = memory_modules(model)
     if not 0 <= layer < len(mems):
