@@ -180,7 +180,7 @@ def throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every (T, mode) of :func:`throughput_plan`; the rows so far are written to
     ``<out>/throughput_rows.json`` after each pair, so a section stopped at its limit keeps
     them. A pair that fails (out of memory, a compile error) is recorded and the rest go on."""
-    from mosaics.evaluation.experiments import write_json
+    from mosaics.evaluation.jobs import write_json
 
     rows: list[dict[str, Any]] = []
     print(f"{'T':>6} {'mode':>8} {'batch':>5} {'model':>8} {'step ms':>9} {'tok/s':>10} "
@@ -518,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     args.tests_timeout = budgets["tests"] - 10
     args.deepspeed_timeout = budgets["deepspeed"]
     out = Path(args.out)
-    from mosaics.evaluation.experiments import write_json
+    from mosaics.evaluation.jobs import write_json
 
     if args.only:  # a section's child process: run it, write its result
         t0 = time.perf_counter()

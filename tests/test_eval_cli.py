@@ -11,9 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mosaics.evaluation import sweep
 from mosaics.evaluation.cli import COMMANDS, main
-from mosaics.evaluation.experiments import write_json
+from mosaics.evaluation.jobs import Job, job_record, make_job, result_path, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--threads", "1", "--no-progress"]
@@ -183,18 +182,18 @@ def test_a_saved_model_is_loaded_with_config_changes(alibi_model_dir):
 
 
 def test_a_changed_saved_model_is_its_own_job(alibi_model_dir):
-    plain = sweep.make_job("mqmtar", "saved", model_dir=str(alibi_model_dir), preset="cpu")
-    off = sweep.make_job("mqmtar", "saved", model_dir=str(alibi_model_dir), preset="cpu",
-                         config_changes={"alibi": False})
+    plain = make_job("mqmtar", "saved", model_dir=str(alibi_model_dir), preset="cpu")
+    off = make_job("mqmtar", "saved", model_dir=str(alibi_model_dir), preset="cpu",
+                   config_changes={"alibi": False})
     assert off.name != plain.name and off.name.startswith(plain.name.split("-s0-")[0])
     assert off.label == f"{plain.label} (alibi=False)"
     record = json.loads(json.dumps(dataclasses.asdict(off)))  # what the job's process gets
-    assert sweep.Job(**record).name == off.name
+    assert Job(**record).name == off.name
     with pytest.raises(ValueError, match="has no field 'nope'"):
-        sweep.make_job("mqmtar", "saved", model_dir=str(alibi_model_dir),
-                       config_changes={"nope": 1})
+        make_job("mqmtar", "saved", model_dir=str(alibi_model_dir),
+                 config_changes={"nope": 1})
     with pytest.raises(ValueError, match="saved model directory only"):
-        sweep.make_job("mqmtar", "mosaics/gaussian", config_changes={"alibi": False})
+        make_job("mqmtar", "mosaics/gaussian", config_changes={"alibi": False})
 
 
 @pytest.mark.integration
@@ -249,10 +248,10 @@ def test_front_ends_map_their_flags_onto_sweep_jobs(tmp_path, capsys):
     lines = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert len(lines) == 3 * 2 * 2
     assert all(state == "todo" and name.startswith("regbench-") for state, name in lines)
-    expected = sweep.make_job("regbench", "mosaics/epanechnikov", 1, 100, "cpu",
-                              {"max_steps": 7, "time_budget_s": 120.0})
+    expected = make_job("regbench", "mosaics/epanechnikov", 1, 100, "cpu",
+                        {"max_steps": 7, "time_budget_s": 120.0})
     assert ["todo", expected.name] in lines
-    write_json(sweep.result_path(tmp_path, expected), {"done": True})
+    write_json(result_path(tmp_path, expected), {"done": True})
     main(["regbench", "--arch", "mosaics", "--kernel", "epanechnikov", "--sizes", "100",
           "--seed", "1", "--preset", "cpu", "--max-steps", "7", "--time-budget-min", "2",
           "--out", str(tmp_path), "--dry-run"])
@@ -261,17 +260,17 @@ def test_front_ends_map_their_flags_onto_sweep_jobs(tmp_path, capsys):
           "--kernel", "biweight", "--multipliers", "1", "4", "--preset", "cpu-learn",
           "--dry-run"])
     names = capsys.readouterr().out.split()[1::2]
-    job = sweep.make_job("mqmtar", "llama", 0, None, "cpu-learn", {"multipliers": [1, 4]})
+    job = make_job("mqmtar", "llama", 0, None, "cpu-learn", {"multipliers": [1, 4]})
     assert len(names) == 4 and job.name in names
 
 
 def test_merge_copies_result_folders_into_one_table(tmp_path, capsys):
     parts = []
     for i, (model, acc) in enumerate([("gaussian", 0.9), ("gpt2", 0.6)]):
-        job = sweep.make_job("regbench", model, 0, 1000, "cpu")
+        job = make_job("regbench", model, 0, 1000, "cpu")
         base = {"oracle": {"accuracy": 1.0, "tvd": 0.0}}
-        write_json(sweep.result_path(tmp_path / f"p{i}", job), {
-            "job": sweep._job_record(job), "seconds": 120.0, "results": {
+        write_json(result_path(tmp_path / f"p{i}", job), {
+            "job": job_record(job), "seconds": 120.0, "results": {
                 "seed": 0, "baselines": base, "runs": [{
                     "label": job.label, "size": 1000, "accuracy": acc, "tvd": 1 - acc,
                     "train": {"steps": 3}}]}})

@@ -146,12 +146,8 @@ def test_length_curriculum_grows_from_one_pair_to_the_full_range():
 
 
 def _fit_sort(keep: str, **schedule):
-    from mosaics.evaluation.experiments import (
-        EXTRAPOLATION_PRESETS,
-        extrapolation_model,
-        fit_task_model,
-        with_overrides,
-    )
+    from mosaics.evaluation.experiments import extrapolation_model, fit_task_model
+    from mosaics.evaluation.protocols import EXTRAPOLATION_PRESETS, with_overrides
 
     proto = with_overrides(EXTRAPOLATION_PRESETS["cpu"], n_embd=32, n_head=2, n_layer=1,
                            pmem_size=24, min_len=8, max_len=12)
@@ -182,7 +178,8 @@ def test_task_protocol_schedule_pmem_and_kept_weights():
 def test_paper_code_preset_builds_the_paper_scripts_model():
     """`--preset paper-code`: 2 layers of d 512, 8 heads of 64, 2688 persistent slots per head
     and dropout 0.05 for Sort, and the schedule of the paper's training script."""
-    from mosaics.evaluation.experiments import EXTRAPOLATION_PRESETS, extrapolation_model
+    from mosaics.evaluation.experiments import extrapolation_model
+    from mosaics.evaluation.protocols import EXTRAPOLATION_PRESETS
 
     proto = EXTRAPOLATION_PRESETS["paper-code"]
     cfg = extrapolation_model("sort", "mosaics", "epanechnikov", proto, None, 256).config
@@ -193,7 +190,7 @@ def test_paper_code_preset_builds_the_paper_scripts_model():
 
 
 def _tiny_sort_protocol():
-    from mosaics.evaluation.experiments import EXTRAPOLATION_PRESETS, with_overrides
+    from mosaics.evaluation.protocols import EXTRAPOLATION_PRESETS, with_overrides
 
     return with_overrides(EXTRAPOLATION_PRESETS["cpu"], n_embd=32, n_head=2, n_layer=1,
                           pmem_size=24, min_len=8, max_len=12, steps=12, eval_every=3,
@@ -309,11 +306,11 @@ def test_an_interrupted_regbench_run_resumes_to_the_same_scores(tmp_path, monkey
     import signal
 
     from mosaics.evaluation import experiments
+    from mosaics.evaluation.protocols import REGBENCH_PRESETS, with_overrides
     from mosaics.training import RunPreempted
 
-    proto = experiments.with_overrides(experiments.REGBENCH_PRESETS["cpu"], max_steps=9,
-                                       eval_every=3, n_val=6, n_test=6, batch_size=4, n_layer=1,
-                                       n_embd=32, n_head=2, pmem_size=16)
+    proto = with_overrides(REGBENCH_PRESETS["cpu"], max_steps=9, eval_every=3, n_val=6,
+                           n_test=6, batch_size=4, n_layer=1, n_embd=32, n_head=2, pmem_size=16)
 
     def run(out):
         return experiments.run_regbench("mosaics", "gaussian", 20, proto, seed=0, out_dir=out,
@@ -349,8 +346,8 @@ def test_mqmtar_runs_log_the_recall_paths_at_every_validation(tmp_path, capsys):
     from mosaics.evaluation import experiments
     from mosaics.evaluation.analysis import retrieval
     from mosaics.evaluation.cli import main
-    from mosaics.evaluation.experiments import EXTRAPOLATION_PRESETS, with_overrides
     from mosaics.evaluation.models import load_model
+    from mosaics.evaluation.protocols import EXTRAPOLATION_PRESETS, with_overrides
 
     proto = with_overrides(EXTRAPOLATION_PRESETS["cpu"], n_embd=32, n_head=2, n_layer=2,
                            pmem_size=24, min_len=32, max_len=40, steps=4, eval_every=2,

@@ -12,8 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from mosaics.evaluation import sweep
-from mosaics.evaluation.experiments import write_json
+from mosaics.evaluation import runner, sweep, tables
+from mosaics.evaluation.jobs import (
+    PAPER_SIZES,
+    Job,
+    expand_jobs,
+    failure_path,
+    job_file_resources,
+    job_record,
+    load_job_file,
+    make_job,
+    paper_jobs,
+    result_path,
+    write_json,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_SORT = ["--set", "steps=2", "--set", "eval_every=1", "--set", "n_val=4",
@@ -22,8 +34,8 @@ TINY_SORT = ["--set", "steps=2", "--set", "eval_every=1", "--set", "n_val=4",
 
 
 def test_expand_jobs_is_a_cartesian_product():
-    jobs, notes = sweep.expand_jobs(["regbench", "sort"], ["gaussian", "gpt2", "llama"], [0, 1],
-                                    [100, 1000], "cpu", {"steps": 5, "max_steps": 3})
+    jobs, notes = expand_jobs(["regbench", "sort"], ["gaussian", "gpt2", "llama"], [0, 1],
+                              [100, 1000], "cpu", {"steps": 5, "max_steps": 3})
     names = [j.name for j in jobs]
     assert len(names) == len(set(names)) == 3 * 2 * 2 + 2 * 2  # sort x gpt2 left out
     assert any("gpt2" in n for n in notes)
@@ -37,18 +49,18 @@ def test_expand_jobs_is_a_cartesian_product():
 
 
 def test_paper_suite_covers_both_tables():
-    jobs = sweep.paper_jobs(seeds=[0, 1])
+    jobs = paper_jobs(seeds=[0, 1])
     assert len(jobs) == 2 * (9 * 4 + 9 + 9)
     sort = {j.label for j in jobs if j.task == "sort"}
     assert "llama" in sort and "mosaics/gaussian_knn (k=32)" in sort and "gpt2" not in sort
-    assert {j.size for j in jobs if j.task == "regbench"} == set(sweep.PAPER_SIZES)
+    assert {j.size for j in jobs if j.task == "regbench"} == set(PAPER_SIZES)
     assert all(j.preset == "reference" and not j.overrides for j in jobs)
 
 
 def test_v2_jobs_build_the_v2_block():
     from mosaics.evaluation.models import model_config
 
-    job = sweep.make_job("sort", "mosaics-v2/epanechnikov", seed=1, preset="cpu-learn")
+    job = make_job("sort", "mosaics-v2/epanechnikov", seed=1, preset="cpu-learn")
     assert (job.arch, job.kernel, job.label) == ("mosaics-v2", "epanechnikov",
                                                  "mosaics-v2/epanechnikov")
     assert job.name == "sort-mosaics-v2-epanechnikov-s1-cpu-learn"
@@ -69,7 +81,7 @@ def test_v2_jobs_build_the_v2_block():
 ])
 def test_bad_jobs_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        sweep.make_job(**kwargs)
+        make_job(**kwargs)
 
 
 def test_job_file_grid_and_list(tmp_path):
@@ -79,37 +91,37 @@ def test_job_file_grid_and_list(tmp_path):
         "jobs:\n"
         "  - {task: regbench, model: gpt2, size: 500, overrides: {max_steps: 4}}\n"
         "  - {task: mqmtar, model: gaussian_knn, kernel_kwargs: {k: 32}}\n")
-    jobs, _ = sweep.load_job_file(tmp_path / "jobs.yaml")
+    jobs, _ = load_job_file(tmp_path / "jobs.yaml")
     assert len(jobs) == 6
     reg = next(j for j in jobs if j.task == "regbench")
     assert reg.size == 500 and reg.overrides == {"max_steps": 4} and reg.preset == "cpu"
     knn = next(j for j in jobs if j.task == "mqmtar")
     assert knn.kernel_kwargs == {"k": 32} and "k32" in knn.name and knn.overrides == {"steps": 7}
     (tmp_path / "list.json").write_text(json.dumps([{"task": "sort", "model": "llama"}]))
-    assert [j.name for j in sweep.load_job_file(tmp_path / "list.json")[0]] == [
+    assert [j.name for j in load_job_file(tmp_path / "list.json")[0]] == [
         "sort-llama-s0-reference"]
 
 
 def _fake_extrapolation(out, job, em):
-    record = {"job": sweep._job_record(job), "seconds": 1.0,
+    record = {"job": job_record(job), "seconds": 1.0,
               "results": {"task": job.task, "lengths": [64, 128], "seed": job.seed, "runs": [{
                   "label": job.model, "exact_match": {"64": em, "128": em / 2},
                   "token_accuracy": {"64": 1.0, "128": 0.9}, "train": {"steps": 2}}]}}
-    write_json(sweep.result_path(out, job), record)
+    write_json(result_path(out, job), record)
 
 
 def _fake_regbench(out, job, acc):
     base = {"oracle": {"accuracy": 1.0, "tvd": 0.0},
             "in-context 2-gram": {"accuracy": 0.8 + job.seed / 100, "tvd": 0.3}}
-    record = {"job": sweep._job_record(job), "seconds": 1.0,
+    record = {"job": job_record(job), "seconds": 1.0,
               "results": {"seed": job.seed, "baselines": base, "runs": [{
                   "label": job.model, "size": job.size, "accuracy": acc, "tvd": 1 - acc,
                   "train": {"steps": 3}}]}}
-    write_json(sweep.result_path(out, job), record)
+    write_json(result_path(out, job), record)
 
 
 def test_existing_results_are_skipped(tmp_path):
-    jobs, _ = sweep.expand_jobs(["sort"], ["gaussian", "llama"], [0], preset="cpu")
+    jobs, _ = expand_jobs(["sort"], ["gaussian", "llama"], [0], preset="cpu")
     for job in jobs:
         _fake_extrapolation(tmp_path, job, 0.5)
     lines = []
@@ -137,16 +149,16 @@ def _lock_held_elsewhere(work):
 
 def test_a_job_another_sweep_is_running_is_left_to_it(tmp_path, monkeypatch):
     """Two sweeps over one --out: the second neither runs nor fails the first's job."""
-    busy, free = (sweep.make_job("sort", m, preset="cpu") for m in ("gaussian", "llama"))
+    busy, free = (make_job("sort", m, preset="cpu") for m in ("gaussian", "llama"))
     spawned = []
-    monkeypatch.setattr(sweep, "_spawn", lambda job, out, device, threads, save_model, children:
+    monkeypatch.setattr(runner, "spawn", lambda job, out, device, threads, save_model, children:
                         (spawned.append(job), (job, 1, 0.0))[1])
     lines = []
     with _lock_held_elsewhere(tmp_path / "jobs" / busy.name):
         done = sweep.run_sweep([busy, free], tmp_path, report=lines.append)
     assert spawned == [free] and done["busy"] == [busy] and done["failed"] == [free]
     assert f"1 to run, 1 left to the other sweep that holds it ({busy.name})" in lines[0]
-    assert not sweep.failure_path(tmp_path, busy).exists()
+    assert not failure_path(tmp_path, busy).exists()
     spawned.clear()
     sweep.run_sweep([busy], tmp_path, report=lines.append)  # its holder is gone: it runs
     assert spawned == [busy]
@@ -156,75 +168,75 @@ def test_a_job_taken_or_finished_after_the_listing_is_left_alone(tmp_path, monke
     """A second sweep over the same --out takes (or finishes) a job after the first listed it:
     the first neither starts a process that fails on the lock nor trains a finished job again,
     and writes no failure record or log for it."""
-    taken, finished = (sweep.make_job("sort", m, preset="cpu") for m in ("gaussian", "llama"))
+    taken, finished = (make_job("sort", m, preset="cpu") for m in ("gaussian", "llama"))
     with _lock_held_elsewhere(tmp_path / "jobs" / taken.name):
-        assert sweep._spawn(taken, tmp_path, "cpu", 1) == (taken, sweep.EXIT_BUSY, 0.0)
+        assert runner.spawn(taken, tmp_path, "cpu", 1) == (taken, runner.EXIT_BUSY, 0.0)
         # ... and if its process starts all the same (the race), it exits with the same status
-        child = subprocess.run(sweep._child_command(taken, tmp_path, "cpu"),
-                               env=sweep._child_env(1), capture_output=True, text=True)
-        assert child.returncode == sweep.EXIT_BUSY, child.stdout + child.stderr
+        child = subprocess.run(runner.child_command(taken, tmp_path, "cpu"),
+                               env=runner.child_env(1), capture_output=True, text=True)
+        assert child.returncode == runner.EXIT_BUSY, child.stdout + child.stderr
         assert "is in use by PID" in child.stdout
     _fake_extrapolation(tmp_path, finished, 0.5)
-    assert sweep._spawn(finished, tmp_path, "cpu", 1) == (finished, sweep.EXIT_DONE_ELSEWHERE,
-                                                          0.0)
+    assert runner.spawn(finished, tmp_path, "cpu", 1) == (finished,
+                                                          runner.EXIT_DONE_ELSEWHERE, 0.0)
     assert not (tmp_path / "logs").exists() and not (tmp_path / "failed").exists()
 
-    monkeypatch.setattr(sweep, "_spawn", lambda job, out, device, threads, save_model, children:
-                        (job, sweep.EXIT_BUSY, 0.0))
+    monkeypatch.setattr(runner, "spawn", lambda job, out, device, threads, save_model, children:
+                        (job, runner.EXIT_BUSY, 0.0))
     lines = []
     done = sweep.run_sweep([taken], tmp_path, report=lines.append)
     assert done["busy"] == [taken] and not done["failed"]
     assert f"BUSY   {taken.name}" in lines[-1]
-    assert not sweep.failure_path(tmp_path, taken).exists()
+    assert not failure_path(tmp_path, taken).exists()
 
     # a job another sweep finished after this one listed it counts as finished, said so
-    later = sweep.make_job("sort", "epanechnikov", preset="cpu")
-    monkeypatch.setattr(sweep, "_spawn", lambda job, out, device, threads, save_model, children:
+    later = make_job("sort", "epanechnikov", preset="cpu")
+    monkeypatch.setattr(runner, "spawn", lambda job, out, device, threads, save_model, children:
                         (_fake_extrapolation(tmp_path, job, 0.5),
-                         (job, sweep.EXIT_DONE_ELSEWHERE, 0.0))[1])
+                         (job, runner.EXIT_DONE_ELSEWHERE, 0.0))[1])
     done = sweep.run_sweep([later], tmp_path, report=lines.append)
     assert done["finished"] == [later] and not done["failed"]
     assert f"done   {later.name} (by another sweep over this folder)" in lines[-1]
 
 
 def test_threads_per_job_split_or_given(tmp_path, monkeypatch):
-    assert sweep.threads_per_job(2, cores=8) == 4 and sweep.threads_per_job(16, cores=8) == 1
+    assert runner.threads_per_job(2, cores=8) == 4 and runner.threads_per_job(16, cores=8) == 1
     seen = []
-    monkeypatch.setattr(sweep, "_spawn", lambda job, out, device, threads, save_model, children:
+    monkeypatch.setattr(runner, "spawn", lambda job, out, device, threads, save_model, children:
                         (seen.append(threads), (job, 1, 0.0))[1])
-    job = sweep.make_job("sort", "gaussian", preset="cpu")
+    job = make_job("sort", "gaussian", preset="cpu")
     lines = []
     sweep.run_sweep([job], tmp_path, parallel=1, report=lines.append, threads=3)
     assert seen == [3] and "with 3 thread(s) each" in lines[0]
-    assert sweep._child_env(3)["OMP_NUM_THREADS"] == "3"
+    assert runner.child_env(3)["OMP_NUM_THREADS"] == "3"
 
 
 @pytest.mark.integration
 def test_a_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
-    bad = sweep.Job("sort", "mosaics/no_such_kernel", preset="cpu",
-                    overrides={"steps": 1, "n_val": 2, "n_samples": 1, "multipliers": [1]})
-    good = sweep.make_job("sort", "gaussian", preset="cpu")
+    bad = Job("sort", "mosaics/no_such_kernel", preset="cpu",
+              overrides={"steps": 1, "n_val": 2, "n_samples": 1, "multipliers": [1]})
+    good = make_job("sort", "gaussian", preset="cpu")
     _fake_extrapolation(tmp_path, good, 1.0)
     done = sweep.run_sweep([bad, good], tmp_path, report=lambda _: None)
     assert done["failed"] == [bad] and done["skipped"] == [good]
-    record = json.loads(sweep.failure_path(tmp_path, bad).read_text())
+    record = json.loads(failure_path(tmp_path, bad).read_text())
     assert record["status"] != 0 and "no_such_kernel" in record["log_tail"]
-    assert not sweep.result_path(tmp_path, bad).exists()  # so the next sweep retries it
-    text = sweep.summarize(tmp_path, plot=False)
+    assert not result_path(tmp_path, bad).exists()  # so the next sweep retries it
+    text = tables.summarize(tmp_path, plot=False)
     assert "failed jobs" in text and bad.name in text
 
 
 def test_merged_tables_from_result_files(tmp_path):
     for seed, em in [(0, 0.5), (1, 0.7)]:
-        _fake_extrapolation(tmp_path, sweep.make_job("sort", "gaussian", seed, preset="cpu"), em)
-    _fake_extrapolation(tmp_path, sweep.make_job("sort", "llama", 0, preset="cpu"), 1.0)
+        _fake_extrapolation(tmp_path, make_job("sort", "gaussian", seed, preset="cpu"), em)
+    _fake_extrapolation(tmp_path, make_job("sort", "llama", 0, preset="cpu"), 1.0)
     for seed in (0, 1):
         for size, acc in [(100, 0.6), (1000, 0.9)]:
-            _fake_regbench(tmp_path, sweep.make_job("regbench", "gpt2", seed, size, "cpu"),
+            _fake_regbench(tmp_path, make_job("regbench", "gpt2", seed, size, "cpu"),
                            acc + seed / 10)
-    _fake_extrapolation(tmp_path, sweep.make_job("sort", "mosaics-v2/gaussian", 0,
-                                                 preset="cpu"), 0.25)
-    text = sweep.summarize(tmp_path)
+    _fake_extrapolation(tmp_path, make_job("sort", "mosaics-v2/gaussian", 0,
+                                           preset="cpu"), 0.25)
+    text = tables.summarize(tmp_path)
     # the paper's numbers in parentheses (Sort at 1x and 2x), wall minutes last
     assert "| mosaics/gaussian | 0.600 ± 0.141 (2) (1.00) | 0.300 ± 0.071 (2) (0.06) | 0.0 |" \
         in text
@@ -244,20 +256,20 @@ def test_learning_curve_rows_pick_evaluations_at_even_steps(tmp_path):
         return [{"step": s, "val/loss": 4.0 / s, "val/token_accuracy": s / 1000,
                  "val/exact_match": 0.0, "elapsed_s": 6.0 * s} for s in range(100, last + 1, 100)]
     for model, last in [("gaussian", 1000), ("llama", 500)]:
-        job = sweep.make_job("sort", model, 0, preset="cpu")
+        job = make_job("sort", model, 0, preset="cpu")
         _fake_extrapolation(tmp_path, job, 0.5)
-        path = sweep.result_path(tmp_path, job)
+        path = result_path(tmp_path, job)
         record = json.loads(path.read_text())
         record["results"]["runs"][0]["train"]["history"] = [{"step": 50}, *history(last)]
         write_json(path, record)
-    text = sweep.curve_markdown(sweep.load_results(tmp_path))
+    text = tables.curve_markdown(tables.load_results(tmp_path))
     assert "| job | step 250 | step 500 | step 750 | step 1000 |" in text
     # step 250 has no evaluation: the last one before it (step 200, 20 minutes) is shown
     assert "| mosaics/gaussian s0 | 20.0 / 0.020 / 0.200 / 0.000 | 50.0 / 0.008 / 0.500 / " \
         "0.000 | 70.0 / 0.006 / 0.700 / 0.000 | 100.0 / 0.004 / 1.000 / 0.000 |" in text
     assert "| llama s0 | 20.0 / 0.020 / 0.200 / 0.000 | 50.0 / 0.008 / 0.500 / 0.000 | - | - |" \
         in text  # stopped at 500
-    assert "validation curve" in sweep.summarize(tmp_path, plot=False)
+    assert "validation curve" in tables.summarize(tmp_path, plot=False)
 
 
 @pytest.mark.integration
@@ -331,7 +343,7 @@ def test_a_preempted_scheduler_task_is_requeued_and_its_job_resumes(tmp_path):
 
     from mosaics.evaluation.cluster import ResumableTask
 
-    job = sweep.make_job("sort", "gaussian", preset="cpu", overrides={
+    job = make_job("sort", "gaussian", preset="cpu", overrides={
         "steps": 200, "eval_every": 5, "batch_size": 4, "min_len": 8, "max_len": 12,
         "n_val": 4, "n_samples": 3, "multipliers": [1, 2], "n_layer": 1, "n_embd": 16,
         "n_head": 2})
@@ -351,7 +363,7 @@ def test_a_preempted_scheduler_task_is_requeued_and_its_job_resumes(tmp_path):
     os.kill(task, signal.SIGUSR2)
     _, status, _ = handle.result()
     assert status == 0
-    train = json.loads(sweep.result_path(tmp_path, job).read_text())["results"]["runs"][0][
+    train = json.loads(result_path(tmp_path, job).read_text())["results"]["runs"][0][
         "train"]
     assert train["steps"] == 200 and 0 < train["resumed_step"] < 200
     log = (tmp_path / "logs" / f"{job.name}.log").read_text()
@@ -379,9 +391,9 @@ def test_committed_results_still_merge_into_tables(results, tmp_path):
     import shutil
 
     shutil.copytree(results, tmp_path / "results")
-    records = sweep.load_results(tmp_path)
+    records = tables.load_results(tmp_path)
     assert records and all({"job", "seconds", "results"} <= set(r) for r in records)
-    text = sweep.summarize(tmp_path, plot=False)
+    text = tables.summarize(tmp_path, plot=False)
     for record in records:
         assert f"| {record['job']['label']} |" in text or \
             f"| {record['job']['label']} s{record['job']['seed']} |" in text
@@ -391,9 +403,9 @@ def test_committed_results_still_merge_into_tables(results, tmp_path):
 @pytest.mark.parametrize("path", sorted((ROOT / "eval" / "jobs").glob("*.yaml")),
                          ids=lambda p: p.name)
 def test_committed_job_files_load(path):
-    jobs, _ = sweep.load_job_file(path)
+    jobs, _ = load_job_file(path)
     assert jobs and len({j.name for j in jobs}) == len(jobs)
-    assert isinstance(sweep.job_file_resources(path), dict)
+    assert isinstance(job_file_resources(path), dict)
 
 
 def test_resources_from_job_file_and_command_line(tmp_path):
@@ -402,7 +414,7 @@ def test_resources_from_job_file_and_command_line(tmp_path):
     (tmp_path / "jobs.yaml").write_text(
         "resources: {partition: gpu, gpus_per_job: 1, time_min: 90, slurm: {account: lab}}\n"
         "grid: {task: sort, model: gaussian}\n")
-    spec = sweep.job_file_resources(tmp_path / "jobs.yaml")
+    spec = job_file_resources(tmp_path / "jobs.yaml")
     res = Resources.from_mapping(spec, "jobs.yaml").merged(time_min=30, cpus_per_job=None,
                                                            slurm={"qos": "high"})
     params = res.executor_parameters("mosaics-x")
@@ -416,7 +428,7 @@ def test_resources_from_job_file_and_command_line(tmp_path):
         Resources.from_mapping({"time_min": 0}, "jobs.yaml")
     (tmp_path / "bad.yaml").write_text("resources: 4\ngrid: {task: sort, model: gaussian}\n")
     with pytest.raises(ValueError, match="'resources' must be a mapping"):
-        sweep.job_file_resources(tmp_path / "bad.yaml")
+        job_file_resources(tmp_path / "bad.yaml")
 
 
 def test_unknown_executor_is_refused(tmp_path):
@@ -433,10 +445,10 @@ def test_submitit_local_executor_runs_skips_and_merges_like_the_local_runner(tmp
 
     tiny = {"steps": 2, "eval_every": 1, "n_val": 4, "n_samples": 3, "multipliers": [1, 2],
             "n_layer": 1, "n_embd": 16, "n_head": 2}
-    done_before = sweep.make_job("sort", "llama", preset="cpu", overrides=tiny)
+    done_before = make_job("sort", "llama", preset="cpu", overrides=tiny)
     _fake_extrapolation(tmp_path, done_before, 1.0)
-    todo = sweep.make_job("sort", "gaussian", preset="cpu", overrides=tiny)
-    bad = sweep.Job("sort", "mosaics/no_such_kernel", preset="cpu", overrides=tiny)
+    todo = make_job("sort", "gaussian", preset="cpu", overrides=tiny)
+    bad = Job("sort", "mosaics/no_such_kernel", preset="cpu", overrides=tiny)
     lines = []
     done = sweep.run_sweep([done_before, todo, bad], tmp_path, device="cpu",
                            report=lines.append, executor="submitit-local",
@@ -445,13 +457,13 @@ def test_submitit_local_executor_runs_skips_and_merges_like_the_local_runner(tmp
     assert done["failed"] == [bad], lines
     assert "1 already done, 2 to submit (submitit-local)" in lines[0]
     assert any(line.startswith("submitted 2 task(s) as local job") for line in lines)
-    record = json.loads(sweep.result_path(tmp_path, todo).read_text())
+    record = json.loads(result_path(tmp_path, todo).read_text())
     assert record["seconds"] > 0 and record["results"]["runs"][0]["train"]["steps"] == 2
-    assert "no_such_kernel" in json.loads(sweep.failure_path(tmp_path, bad).read_text())[
+    assert "no_such_kernel" in json.loads(failure_path(tmp_path, bad).read_text())[
         "log_tail"]
     assert (tmp_path / "logs" / f"{todo.name}.log").is_file()
     assert list((tmp_path / "logs" / "submitit").glob("*_log.out"))
-    text = sweep.summarize(tmp_path, plot=False)
+    text = tables.summarize(tmp_path, plot=False)
     assert "| mosaics/gaussian |" in text and "| llama |" in text and bad.name in text
     again = sweep.run_sweep([done_before, todo], tmp_path, report=lines.append,
                             executor="submitit-local")
@@ -459,8 +471,8 @@ def test_submitit_local_executor_runs_skips_and_merges_like_the_local_runner(tmp
 
 
 def test_alibi_is_a_row_of_the_same_table(tmp_path):
-    plain = sweep.make_job("mqmtar", "epanechnikov", 0, preset="cpu")
-    biased = sweep.make_job("mqmtar", "epanechnikov", 0, preset="cpu", overrides={"alibi": True})
+    plain = make_job("mqmtar", "epanechnikov", 0, preset="cpu")
+    biased = make_job("mqmtar", "epanechnikov", 0, preset="cpu", overrides={"alibi": True})
     assert biased.setting == plain.setting and biased.name != plain.name
     assert biased.label == "mosaics/epanechnikov +alibi"
     from mosaics.evaluation import paper
@@ -469,15 +481,16 @@ def test_alibi_is_a_row_of_the_same_table(tmp_path):
     assert paper.extrapolation_cell("mqmtar", biased.label, 64 * 8) is None  # not reported
     _fake_extrapolation(tmp_path, plain, 0.8)
     _fake_extrapolation(tmp_path, biased, 0.6)
-    text = sweep.summarize(tmp_path, plot=False)
+    text = tables.summarize(tmp_path, plot=False)
     assert "| mosaics/epanechnikov | 0.800 (1.00) |" in text
     assert "| mosaics/epanechnikov +alibi | 0.600 |" in text
 
 
 def test_an_alibi_job_trains_the_biased_model(tmp_path):
     from mosaics.evaluation import experiments
+    from mosaics.evaluation.protocols import EXTRAPOLATION_PRESETS, with_overrides
 
-    proto = experiments.with_overrides(experiments.EXTRAPOLATION_PRESETS["cpu"], alibi=True)
+    proto = with_overrides(EXTRAPOLATION_PRESETS["cpu"], alibi=True)
     model = experiments.extrapolation_model("mqmtar", "mosaics", "epanechnikov", proto, None, 99)
     assert model.config.alibi
     with pytest.raises(ValueError, match="alibi is an option"):
@@ -489,10 +502,10 @@ def test_minutes_per_device_when_a_model_ran_on_several():
                {"job": {"label": "mosaics/gaussian"}, "device": "cpu", "seconds": 2400.0},
                {"job": {"label": "mosaics/gaussian"}, "device": "cuda:0", "seconds": 360.0},
                {"job": {"label": "llama"}, "device": "cuda", "seconds": 240.0}]
-    seconds = sweep._job_seconds(records)
-    assert sweep._minutes("mosaics/gaussian", seconds) == "50.0 cpu / 6.0 cuda"
-    assert sweep._minutes("llama", seconds) == "4.0"
-    assert sweep._minutes("mosaics/relumax", seconds) == "-"
+    seconds = tables._job_seconds(records)
+    assert tables._minutes("mosaics/gaussian", seconds) == "50.0 cpu / 6.0 cuda"
+    assert tables._minutes("llama", seconds) == "4.0"
+    assert tables._minutes("mosaics/relumax", seconds) == "-"
 
 
 def test_a_job_in_use_by_another_process_is_refused(tmp_path):
@@ -500,7 +513,7 @@ def test_a_job_in_use_by_another_process_is_refused(tmp_path):
     from mosaics.errors import ConfigError
     from mosaics.training.rundir import LOCK_NAME
 
-    job = sweep.make_job("sort", "gaussian", preset="cpu")
+    job = make_job("sort", "gaussian", preset="cpu")
     work = tmp_path / "jobs" / job.name
     work.mkdir(parents=True)
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -508,11 +521,11 @@ def test_a_job_in_use_by_another_process_is_refused(tmp_path):
         (work / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(),
                                                   "pid": holder.pid}))
         with pytest.raises(ConfigError, match=f"PID {holder.pid}"):
-            sweep.run_job(job, tmp_path, "cpu")
+            runner.run_job(job, tmp_path, "cpu")
     finally:
         holder.kill()
         holder.wait()
-    assert not sweep.result_path(tmp_path, job).exists()
+    assert not result_path(tmp_path, job).exists()
 
 
 def test_job_states_for_dry_run(tmp_path):
@@ -521,7 +534,7 @@ def test_job_states_for_dry_run(tmp_path):
     from mosaics.training import checkpoint as ckpt
     from mosaics.training.rundir import LOCK_NAME
 
-    jobs = [sweep.make_job("sort", "gaussian", seed=s, preset="cpu") for s in range(5)]
+    jobs = [make_job("sort", "gaussian", seed=s, preset="cpu") for s in range(5)]
     done, running, stopped, failed, todo = jobs
     _fake_extrapolation(tmp_path, done, 1.0)
     for job in (running, stopped, failed, todo):
@@ -534,29 +547,29 @@ def test_job_states_for_dry_run(tmp_path):
     try:
         (tmp_path / "jobs" / running.name / LOCK_NAME).write_text(
             json.dumps({"host": socket.gethostname(), "pid": holder.pid}))
-        assert sweep.job_state(tmp_path, running).startswith(
+        assert runner.job_state(tmp_path, running).startswith(
             f"running  {running.name} (PID {holder.pid} on {socket.gethostname()}; step 40, "
             "val exact match 0.25)")
     finally:
         holder.kill()
         holder.wait()
     # the holder is gone: its lock no longer counts and the job is what its files say
-    assert sweep.job_state(tmp_path, running).startswith("todo")
+    assert runner.job_state(tmp_path, running).startswith("todo")
     step = ckpt.checkpoint_root(tmp_path / "jobs" / stopped.name / "runs" / "sort-gaussian") \
         / ckpt.step_dir_name(40)
     step.mkdir(parents=True)
     (step / "trainer_state.json").write_text("{}")
     ckpt.write_manifest(step)
-    write_json(sweep.failure_path(tmp_path, failed), {"status": 3})
-    assert sweep.job_state(tmp_path, done).startswith(f"done     {done.name} (")
-    assert sweep.job_state(tmp_path, stopped) == (
+    write_json(failure_path(tmp_path, failed), {"status": 3})
+    assert runner.job_state(tmp_path, done).startswith(f"done     {done.name} (")
+    assert runner.job_state(tmp_path, stopped) == (
         f"stopped  {stopped.name} (resumes from step_0000040; step 40, val exact match 0.25)")
-    assert sweep.job_state(tmp_path, failed) == (
+    assert runner.job_state(tmp_path, failed) == (
         f"failed   {failed.name} (exit 3; step 40, val exact match 0.25)")
-    assert sweep.job_state(tmp_path, todo) == (
+    assert runner.job_state(tmp_path, todo) == (
         f"todo     {todo.name} (an attempt reached step 40, val exact match 0.25, no checkpoint)")
     (step / "trainer_state.json").write_text("{ damaged")  # not intact: nothing to resume
-    assert sweep.job_state(tmp_path, stopped).startswith("todo")
+    assert runner.job_state(tmp_path, stopped).startswith("todo")
 
 
 def test_paper_figure_merges_seeds_across_sweeps_beside_the_paper(tmp_path, capsys):
@@ -569,9 +582,9 @@ def test_paper_figure_merges_seeds_across_sweeps_beside_the_paper(tmp_path, caps
     for setting, model, seed, em in [("a", "mosaics/epanechnikov", 0, 1.0),
                                      ("b", "mosaics/epanechnikov", 1, 0.5),
                                      ("b", "llama", 0, 0.25)]:
-        job = sweep.make_job("mqmtar", model, seed=seed, preset="cpu-recall",
-                             overrides={"steps": 10 if setting == "a" else 20})
-        record = {"job": sweep._job_record(job), "seconds": 60.0, "results": {
+        job = make_job("mqmtar", model, seed=seed, preset="cpu-recall",
+                       overrides={"steps": 10 if setting == "a" else 20})
+        record = {"job": job_record(job), "seconds": 60.0, "results": {
             "task": "mqmtar", "lengths": [64, 512], "seed": seed, "runs": [{
                 "label": job.label, "exact_match": {"64": em, "512": em / 2},
                 "token_accuracy": {"64": 1.0, "512": 0.5}, "train": {"steps": 2}}]}}
@@ -584,7 +597,7 @@ def test_paper_figure_merges_seeds_across_sweeps_beside_the_paper(tmp_path, caps
     assert "| mosaics/epanechnikov | 0.750 ± 0.354 (2) (1.00) | 0.375 ± 0.177 (2) (0.98) |" in out
     assert "| llama | 0.250 (1.00) | 0.125 (0.09) |" in out
     assert (tmp_path / "t.png").stat().st_size > 0
-    merged = sweep.extrapolation_rows([json.loads(Path(f).read_text()) for f in files])
+    merged = tables.extrapolation_rows([json.loads(Path(f).read_text()) for f in files])
     fig_path = plots.plot_against_paper(merged, tmp_path / "u.png")
     assert fig_path.stat().st_size > 0
     regbench = tmp_path / "r.json"
@@ -604,8 +617,8 @@ def test_job_file_takes_command_line_settings_last(tmp_path):
         "jobs:\n"
         "  - {model: epanechnikov, overrides: {batch_size: 32, alibi: true}}\n"
         "  - {task: regbench, model: gpt2, size: 500, preset: cpu}\n")
-    plain = {j.task: j for j in sweep.load_job_file(tmp_path / "jobs.yaml")[0]}
-    moved = {j.task: j for j in sweep.load_job_file(tmp_path / "jobs.yaml",
+    plain = {j.task: j for j in load_job_file(tmp_path / "jobs.yaml")[0]}
+    moved = {j.task: j for j in load_job_file(tmp_path / "jobs.yaml",
                                                     {"batch_size": 256})[0]}
     assert plain["mqmtar"].overrides == {"steps": 6000, "batch_size": 32, "alibi": True}
     assert moved["mqmtar"].overrides == {"steps": 6000, "batch_size": 256, "alibi": True}

@@ -1,12 +1,15 @@
-"""Every evaluation entry point: ``main(["regbench" | "extrapolation" | "perplexity" | "sweep" |
-"retrieval" | "compare-loss", ...])``. The scripts under ``eval/`` call it.
+"""Every evaluation entry point: ``main([COMMAND, ...])`` (``mosaics eval COMMAND``, or the
+scripts under ``eval/``, which call it). Each subcommand is a parser and a function that hands
+the work to the modules of :mod:`mosaics.evaluation`.
 
-``regbench``, ``extrapolation`` and ``sweep`` build jobs for one engine
+``sweep`` runs task jobs (a grid, a job file or the paper's suite) through one engine
 (:mod:`mosaics.evaluation.sweep`): each job runs in its own process (locally, or as a SLURM
 array task with ``--executor slurm``), writes ``<out>/results/<name>.json``, and is skipped
 when that file exists; the tables of everything under ``--out`` go to ``<out>/summary.md``.
-``perplexity`` and ``compare-loss`` score and compare saved language models; ``retrieval``,
-``empty-rows`` and ``routes`` are the research probes of :mod:`mosaics.evaluation.analysis`.
+``regbench`` and ``extrapolation`` are ``sweep`` with the task fixed and the protocol settings
+as named flags. ``perplexity`` and ``compare-loss`` score and compare saved language models;
+``paper-figure`` merges result files beside the paper's rows; ``retrieval``, ``empty-rows``
+and ``routes`` are the research probes of :mod:`mosaics.evaluation.analysis`.
 """
 
 from __future__ import annotations
@@ -28,18 +31,7 @@ from .arguments import (
     positive_int,
     setting_arg,
 )
-
-# --- options shared by several subcommands --------------------------------------------------
-
-def add_saved_model_args(p: argparse.ArgumentParser) -> None:
-    """``--model DIR ...`` (score saved models instead of training) and ``--model-set``."""
-    p.add_argument("--model", nargs="+", metavar="DIR",
-                   help="score saved model directories instead of training")
-    p.add_argument("--model-set", dest="config_changes", type=setting_arg, action="append",
-                   default=[], metavar="KEY=VALUE",
-                   help="with --model: change a field of each saved model's config before "
-                        "scoring it, e.g. --model-set alibi=false (the same weights without "
-                        "the position bias)")
+from .protocols import EXTRAPOLATION_PRESETS
 
 
 def offline() -> None:
@@ -49,7 +41,7 @@ def offline() -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
-# --- the engine's options, shared by regbench / extrapolation / sweep -------------------------
+# --- running jobs: the options and the run shared by sweep and its aliases --------------------
 
 def add_engine_args(p: argparse.ArgumentParser, out: str) -> None:
     g = p.add_argument_group("running the jobs")
@@ -94,15 +86,17 @@ def run_engine(p: argparse.ArgumentParser, args: argparse.Namespace, jobs: list,
                notes: list[str], file_resources: dict | None = None) -> int:
     """List (``--dry-run``) or run ``jobs``, then print the merged tables; exit status 1 when
     a job failed."""
-    from . import sweep
     from .cluster import Resources
+    from .runner import job_state
+    from .sweep import run_sweep
+    from .tables import summarize
 
     out = Path(args.out)
     for note in notes:
         print(f"note: {note}")
     if args.dry_run:
         for job in jobs:
-            print(sweep.job_state(out, job))
+            print(job_state(out, job))
         return 0
     try:
         resources = Resources.from_mapping(file_resources, "job file 'resources'").merged(
@@ -116,12 +110,12 @@ def run_engine(p: argparse.ArgumentParser, args: argparse.Namespace, jobs: list,
         device = (("cuda" if resources.gpus_per_job else "cpu") if args.executor != "local"
                   else default_device())
     try:
-        done = sweep.run_sweep(jobs, out, args.jobs, device, threads=args.threads,
-                               executor=args.executor, resources=resources,
-                               save_model=args.save_models)
+        done = run_sweep(jobs, out, args.jobs, device, threads=args.threads,
+                         executor=args.executor, resources=resources,
+                         save_model=args.save_models)
     except (ImportError, RuntimeError) as err:
         p.error(str(err))
-    print(sweep.summarize(out), end="")
+    print(summarize(out), end="")
     print(f"summary: {out / 'summary.md'}")
     if done["stopped"]:
         print(f"{len(done['stopped'])} job(s) stopped: "
@@ -135,137 +129,44 @@ def run_engine(p: argparse.ArgumentParser, args: argparse.Namespace, jobs: list,
     return EXIT_PREEMPTED if done["stopped"] else 0
 
 
-def _merge(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from . import sweep
+def run_grid(p: argparse.ArgumentParser, args: argparse.Namespace, tasks: list[str],
+             models: list[str], sizes: list[int], settings: dict[str, Any],
+             model_dirs: list[str] | None = None,
+             config_changes: dict[str, Any] | None = None) -> int:
+    """Run the jobs of tasks x models x ``--seed`` (x sizes for RegBench) under ``--preset``
+    with the protocol ``settings`` and ``--kernel-kwargs``; with ``model_dirs``, the scoring
+    jobs of tasks x saved models x ``--seed`` instead."""
+    from .jobs import expand_jobs, saved_model_jobs
 
     try:
-        copied = sweep.merge_results(args.merge, args.out)
+        if model_dirs:
+            jobs = saved_model_jobs(tasks, model_dirs, args.seed, args.preset, settings,
+                                    config_changes)
+            notes: list[str] = []
+        else:
+            jobs, notes = expand_jobs(tasks, models, args.seed, sizes, args.preset, settings,
+                                      args.kernel_kwargs)
+    except (ValueError, TypeError, KeyError) as err:
+        p.error(str(err))
+    return run_engine(p, args, jobs, notes)
+
+
+def merge_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--merge``: copy the result files of other output folders into ``--out``, print the
+    tables."""
+    from .tables import merge_results, summarize
+
+    try:
+        copied = merge_results(args.merge, args.out)
     except ValueError as err:
         p.error(str(err))
     print(f"merged {copied} result file(s) into {args.out}")
-    print(sweep.summarize(args.out), end="")
+    print(summarize(args.out), end="")
     print(f"summary: {Path(args.out) / 'summary.md'}")
     return 0
 
 
-def _models(archs: list[str], kernels: list[str]) -> list[str]:
-    """``--arch`` x ``--kernel`` as sweep model names (``mosaics/<kernel>``, ``gpt2``, ...)."""
-    from .models import is_mosaics
-
-    models: list[str] = []
-    for arch in archs:
-        models += [f"{arch}/{k}" for k in kernels] if is_mosaics(arch) else [arch]
-    return models
-
-
-def _overrides(**values: Any) -> dict[str, Any]:
-    return {k: v for k, v in values.items() if v is not None}
-
-
-def _budget(minutes: float | None) -> float | None:
-    return None if minutes is None else 60 * minutes
-
-
-# --- regbench ----------------------------------------------------------------------------------
-
-def _regbench_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--arch", nargs="+", default=["mosaics"],
-                   choices=["mosaics", "mosaics-v2", "gpt2", "llama"])
-    p.add_argument("--kernel", nargs="+", default=["gaussian"], help="Memory Mosaics kernels")
-    p.add_argument("--kernel-kwargs", type=kernel_kwargs_arg, default=None)
-    p.add_argument("--sizes", nargs="+", type=positive_int, default=[1000],
-                   help="training automata (paper: 100 500 1000 2500 5000 10000 20000 40000)")
-    p.add_argument("--preset", choices=["reference", "cpu"], default="reference")
-    p.add_argument("--seed", nargs="+", type=int, default=[0], help="one job per seed")
-    for flag in ("--epochs", "--max-steps", "--batch-size", "--eval-every", "--n-val",
-                 "--n-test", "--n-layer", "--n-embd", "--n-head", "--pmem-size"):
-        p.add_argument(flag, type=positive_int)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--time-budget-min", type=float, help="stop each training run after this")
-    add_saved_model_args(p)
-    p.add_argument("--merge", nargs="+", metavar="OUT_DIR",
-                   help="copy the result files of other --out folders into --out and print "
-                        "the merged tables (runs nothing)")
-    add_engine_args(p, "runs/regbench")
-
-
-def regbench_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    if args.merge:
-        return _merge(p, args)
-    check_model_dirs(p, args.model, args.config_changes)
-    from . import sweep
-
-    overrides = _overrides(
-        epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size, lr=args.lr,
-        eval_every=args.eval_every, n_val=args.n_val, n_test=args.n_test, n_layer=args.n_layer,
-        n_embd=args.n_embd, n_head=args.n_head, pmem_size=args.pmem_size,
-        time_budget_s=_budget(args.time_budget_min))
-    try:
-        if args.model:
-            jobs = [sweep.make_job("regbench", "saved", seed, None, args.preset, overrides,
-                                   model_dir=d, config_changes=dict(args.config_changes))
-                    for d in args.model for seed in args.seed]
-            notes: list[str] = []
-        else:
-            jobs, notes = sweep.expand_jobs(["regbench"], _models(args.arch, args.kernel),
-                                            args.seed, args.sizes, args.preset, overrides,
-                                            args.kernel_kwargs)
-    except ValueError as err:
-        p.error(str(err))
-    return run_engine(p, args, jobs, notes)
-
-
-# --- extrapolation -----------------------------------------------------------------------------
-
-def _extrapolation_parser(p: argparse.ArgumentParser) -> None:
-    from .experiments import EXTRAPOLATION_PRESETS
-
-    p.add_argument("--task", nargs="+", choices=["sort", "mqmtar"], required=True)
-    p.add_argument("--arch", nargs="+", default=["mosaics"],
-                   choices=["mosaics", "mosaics-v2", "llama"],
-                   help="llama: the rotary-position transformer baseline of the same size")
-    p.add_argument("--kernel", nargs="+", default=["gaussian"], help="Memory Mosaics kernels")
-    p.add_argument("--kernel-kwargs", type=kernel_kwargs_arg, default=None)
-    p.add_argument("--preset", choices=list(EXTRAPOLATION_PRESETS), default="reference")
-    p.add_argument("--seed", nargs="+", type=int, default=[0], help="one job per seed")
-    for flag in ("--steps", "--batch-size", "--eval-every", "--n-samples", "--n-val",
-                 "--n-layer", "--n-embd", "--n-head"):
-        p.add_argument(flag, type=positive_int)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--warmup-frac", type=float, help="warm-up steps as a fraction of --steps")
-    p.add_argument("--multipliers", nargs="+", type=positive_int,
-                   help="test lengths = 64 x these (reference: 1 2 4 8 16 32 64)")
-    p.add_argument("--time-budget-min", type=float)
-    add_saved_model_args(p)
-    add_engine_args(p, "runs/extrapolation")
-
-
-def extrapolation_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    check_model_dirs(p, args.model, args.config_changes)
-    from . import sweep
-
-    overrides = _overrides(
-        steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_frac=args.warmup_frac,
-        eval_every=args.eval_every, n_samples=args.n_samples, n_val=args.n_val,
-        n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
-        multipliers=list(args.multipliers) if args.multipliers else None,
-        time_budget_s=_budget(args.time_budget_min))
-    try:
-        if args.model:
-            jobs = [sweep.make_job(task, "saved", seed, None, args.preset, overrides,
-                                   model_dir=d, config_changes=dict(args.config_changes))
-                    for task in args.task for d in args.model for seed in args.seed]
-            notes: list[str] = []
-        else:
-            jobs, notes = sweep.expand_jobs(args.task, _models(args.arch, args.kernel),
-                                            args.seed, (), args.preset, overrides,
-                                            args.kernel_kwargs)
-    except ValueError as err:
-        p.error(str(err))
-    return run_engine(p, args, jobs, notes)
-
-
-# --- sweep -------------------------------------------------------------------------------------
+# --- sweep ----------------------------------------------------------------------------------
 
 def _sweep_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", nargs="+", choices=["regbench", "sort", "mqmtar"])
@@ -292,33 +193,131 @@ def _sweep_parser(p: argparse.ArgumentParser) -> None:
 
 
 def sweep_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from . import sweep
+    from .jobs import job_file_resources, load_job_file, paper_jobs
+    from .tables import summarize
 
     if args.summary_only:
-        print(sweep.summarize(args.out), end="")
+        print(summarize(args.out), end="")
         return 0
     if sum(map(bool, (args.file, args.task, args.suite))) != 1:
         p.error("give one of --task ..., --file JOBS.yaml or --suite paper")
+    if args.task:
+        return run_grid(p, args, args.task, args.model, args.size, dict(args.settings))
     resources: dict = {}
     try:
         if args.suite:
-            jobs, notes = sweep.paper_jobs(args.seed, args.preset, dict(args.settings)), []
-        elif args.file:
+            jobs, notes = paper_jobs(args.seed, args.preset, dict(args.settings)), []
+        else:
             ignored = ["--" + dest.replace("_", "-")
                        for dest in ("model", "seed", "size", "preset", "kernel_kwargs")
                        if getattr(args, dest) != p.get_default(dest)]
             if ignored:
                 p.error(f"{', '.join(ignored)} choose a grid and do nothing with --file; put "
-                        "them in the job file (defaults: or each job), or use --set KEY=VALUE, "
-                        "which applies on top of the file's jobs")
-            jobs, notes = sweep.load_job_file(args.file, dict(args.settings))
-            resources = sweep.job_file_resources(args.file)
-        else:
-            jobs, notes = sweep.expand_jobs(args.task, args.model, args.seed, args.size,
-                                            args.preset, dict(args.settings), args.kernel_kwargs)
+                        "them in the job file (defaults: or each job), or use --set "
+                        "KEY=VALUE, which applies on top of the file's jobs")
+            jobs, notes = load_job_file(args.file, dict(args.settings))
+            resources = job_file_resources(args.file)
     except (ValueError, TypeError, KeyError) as err:
         p.error(str(err))
     return run_engine(p, args, jobs, notes, resources)
+
+
+# --- regbench and extrapolation: sweep with the task fixed ------------------------------------
+# Models are --arch x --kernel, or saved --model directories; each protocol flag is sweep's
+# --set of the protocol field of the same name (--max-steps 7 is --set max_steps=7), in this
+# order, and --time-budget-min M is --set time_budget_s=60M.
+
+REGBENCH_SETTINGS = ("epochs", "max_steps", "batch_size", "lr", "eval_every", "n_val", "n_test",
+                     "n_layer", "n_embd", "n_head", "pmem_size")
+EXTRAPOLATION_SETTINGS = ("steps", "batch_size", "lr", "warmup_frac", "eval_every", "n_samples",
+                          "n_val", "n_layer", "n_embd", "n_head", "multipliers")
+
+
+def add_saved_model_args(p: argparse.ArgumentParser) -> None:
+    """``--model DIR ...`` (score saved models instead of training) and ``--model-set``."""
+    p.add_argument("--model", nargs="+", metavar="DIR",
+                   help="score saved model directories instead of training")
+    p.add_argument("--model-set", dest="config_changes", type=setting_arg, action="append",
+                   default=[], metavar="KEY=VALUE",
+                   help="with --model: change a field of each saved model's config before "
+                        "scoring it, e.g. --model-set alibi=false (the same weights without "
+                        "the position bias)")
+
+
+def _models(archs: list[str], kernels: list[str]) -> list[str]:
+    """``--arch`` x ``--kernel`` as sweep model names (``mosaics/<kernel>``, ``gpt2``, ...)."""
+    from .models import is_mosaics
+
+    models: list[str] = []
+    for arch in archs:
+        models += [f"{arch}/{k}" for k in kernels] if is_mosaics(arch) else [arch]
+    return models
+
+
+def run_alias(p: argparse.ArgumentParser, args: argparse.Namespace, tasks: list[str],
+              sizes: list[int], names: tuple[str, ...]) -> int:
+    """An alias's command line as sweep's: the protocol flags ``names`` as settings."""
+    check_model_dirs(p, args.model, args.config_changes)
+    settings = {name: getattr(args, name) for name in names}
+    if args.time_budget_min is not None:
+        settings["time_budget_s"] = 60 * args.time_budget_min
+    settings = {k: v for k, v in settings.items() if v is not None}
+    return run_grid(p, args, tasks, _models(args.arch, args.kernel), sizes, settings,
+                    args.model, dict(args.config_changes))
+
+
+def _regbench_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arch", nargs="+", default=["mosaics"],
+                   choices=["mosaics", "mosaics-v2", "gpt2", "llama"])
+    p.add_argument("--kernel", nargs="+", default=["gaussian"], help="Memory Mosaics kernels")
+    p.add_argument("--kernel-kwargs", type=kernel_kwargs_arg, default=None)
+    p.add_argument("--sizes", nargs="+", type=positive_int, default=[1000],
+                   help="training automata (paper: 100 500 1000 2500 5000 10000 20000 40000)")
+    p.add_argument("--preset", choices=["reference", "cpu"], default="reference")
+    p.add_argument("--seed", nargs="+", type=int, default=[0], help="one job per seed")
+    for flag in ("--epochs", "--max-steps", "--batch-size", "--eval-every", "--n-val",
+                 "--n-test", "--n-layer", "--n-embd", "--n-head", "--pmem-size"):
+        p.add_argument(flag, type=positive_int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--time-budget-min", type=float, help="stop each training run after this")
+    add_saved_model_args(p)
+    p.add_argument("--merge", nargs="+", metavar="OUT_DIR",
+                   help="copy the result files of other --out folders into --out and print "
+                        "the merged tables (runs nothing)")
+    add_engine_args(p, "runs/regbench")
+
+
+def regbench_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``sweep --task regbench --size SIZES ...``."""
+    if args.merge:
+        return merge_command(p, args)
+    return run_alias(p, args, ["regbench"], args.sizes, REGBENCH_SETTINGS)
+
+
+def _extrapolation_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--task", nargs="+", choices=["sort", "mqmtar"], required=True)
+    p.add_argument("--arch", nargs="+", default=["mosaics"],
+                   choices=["mosaics", "mosaics-v2", "llama"],
+                   help="llama: the rotary-position transformer baseline of the same size")
+    p.add_argument("--kernel", nargs="+", default=["gaussian"], help="Memory Mosaics kernels")
+    p.add_argument("--kernel-kwargs", type=kernel_kwargs_arg, default=None)
+    p.add_argument("--preset", choices=list(EXTRAPOLATION_PRESETS), default="reference")
+    p.add_argument("--seed", nargs="+", type=int, default=[0], help="one job per seed")
+    for flag in ("--steps", "--batch-size", "--eval-every", "--n-samples", "--n-val",
+                 "--n-layer", "--n-embd", "--n-head"):
+        p.add_argument(flag, type=positive_int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--warmup-frac", type=float, help="warm-up steps as a fraction of --steps")
+    p.add_argument("--multipliers", nargs="+", type=positive_int,
+                   help="test lengths = 64 x these (reference: 1 2 4 8 16 32 64)")
+    p.add_argument("--time-budget-min", type=float)
+    add_saved_model_args(p)
+    add_engine_args(p, "runs/extrapolation")
+
+
+def extrapolation_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``sweep --task sort|mqmtar ...``."""
+    return run_alias(p, args, args.task, [], EXTRAPOLATION_SETTINGS)
 
 
 # --- perplexity --------------------------------------------------------------------------------
@@ -344,7 +343,8 @@ def perplexity_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if data.suffix in (".npy", ".txt", ".jsonl", ".json") and not data.exists():
         p.error(f"--data {args.data}: no such file")
 
-    from . import experiments, lm, models, plots
+    from . import lm, models, plots
+    from .jobs import write_json
 
     device = args.device or default_device()
     model = models.load_model(args.model, device)
@@ -362,7 +362,7 @@ def perplexity_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
         p.error(str(err))
     result.update(model=str(args.model), data=str(args.data), split=args.split)
     out = Path(args.out or args.model)
-    experiments.write_json(out / "perplexity.json", result)
+    write_json(out / "perplexity.json", result)
     plot = plots.plot_loss_by_position(result["loss_by_position"], out / "loss_by_position.png",
                                        f"{Path(args.model).name}: loss by position")
     print(f"windows {result['windows']} x {block} tokens ({result['tokens_scored']} scored)")
@@ -371,6 +371,7 @@ def perplexity_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
           + " / ".join(f"{x:.3f}" for x in lm.position_tenths(result["loss_by_position"])))
     print(f"results: {out / 'perplexity.json'}\nplot: {plot}")
     return 0
+
 
 
 # --- compare-loss ------------------------------------------------------------------------------
@@ -410,7 +411,7 @@ def _paper_figure_parser(p: argparse.ArgumentParser) -> None:
 
 
 def paper_figure_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from . import sweep
+    from .tables import extrapolation_markdown, extrapolation_rows
 
     records = []
     for path in args.files:
@@ -425,11 +426,11 @@ def paper_figure_command(p: argparse.ArgumentParser, args: argparse.Namespace) -
     if len(tasks) != 1 or tasks[0] == "regbench":
         p.error(f"the files hold tasks {tasks}: pass results of one extrapolation task "
                 "(sort or mqmtar)")
-    merged = sweep.extrapolation_rows(records)
+    merged = extrapolation_rows(records)
     print("exact match by test length, mean ± std over seeds; the paper's in parentheses\n")
-    print(sweep.extrapolation_markdown(merged))
+    print(extrapolation_markdown(merged))
     print("\ntoken accuracy by test length\n")
-    print(sweep.extrapolation_markdown(merged, "token_accuracy"))
+    print(extrapolation_markdown(merged, "token_accuracy"))
     if args.out:
         from .plots import plot_against_paper
 

@@ -1,7 +1,7 @@
 """Sweep jobs on a scheduler: one SLURM job array through submitit (or submitit's local
 executor, which runs the same code path as real processes without a scheduler).
 
-Each array task runs :func:`mosaics.evaluation.sweep._spawn`, the function the local runner
+Each array task runs :func:`mosaics.evaluation.runner.spawn`, the function the local runner
 uses: the job's own process writes ``<out>/results/<name>.json`` and ``<out>/logs/<name>.log``;
 submitit's own files (the task's stdout/stderr and pickles) go to ``<out>/logs/submitit``.
 A preempted or timed-out task is requeued (:class:`ResumableTask`) and its job resumes from
@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from .runner import Children, spawn
 
 
 @dataclass
@@ -88,7 +90,7 @@ def _submitit() -> Any:
 
 
 class ResumableTask:
-    """An array task: runs one job's process (:func:`mosaics.evaluation.sweep._spawn`).
+    """An array task: runs one job's process (:func:`mosaics.evaluation.runner.spawn`).
 
     When SLURM signals a preemption, or the end of the time limit, submitit calls
     :meth:`checkpoint`. It sends SIGTERM to the job's process, which finishes its step, writes
@@ -103,14 +105,12 @@ class ResumableTask:
 
     def __call__(self, job: Any, out: Path, device: str, threads: int,
                  save_model: bool = False) -> tuple[Any, int, float]:
-        from .sweep import _Children, _spawn
-
         # SLURM sends submitit's warning signal to every process of the task: the job's
         # process ignores it and stops on the SIGTERM of checkpoint() instead
         warning = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2").upper()
         warning = warning if warning.startswith("SIG") else "SIG" + warning
-        self._children = _Children(ignored=(warning,))
-        return _spawn(job, out, device, threads, save_model, self._children)
+        self._children = Children(ignored=(warning,))
+        return spawn(job, out, device, threads, save_model, self._children)
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """submitit's hook (in the task's signal handler): stop the job at a checkpoint, then

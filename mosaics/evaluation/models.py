@@ -4,10 +4,11 @@ built fresh or loaded from a saved directory."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from transformers import PretrainedConfig
+if TYPE_CHECKING:  # annotations only: job definitions read this module without torch
+    import torch
+    from transformers import PretrainedConfig
 
 ARCHS = ("mosaics", "mosaics-v2", "gpt2", "llama")
 MOSAICS_ARCHS = ("mosaics", "mosaics-v2")  # built with a kernel

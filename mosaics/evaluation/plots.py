@@ -183,7 +183,7 @@ def plot_routes(histories: dict[str, list[dict[str, Any]]], path: str | Path) ->
 def plot_against_paper(merged: dict[str, Any], path: str | Path) -> Path:
     """One panel per model: exact match against the test length as a multiple of the training
     length, each seed a thin line, their mean a thick one, and the paper's row (where it has
-    one) dashed in black. ``merged`` is :func:`mosaics.evaluation.sweep.extrapolation_rows`."""
+    one) dashed in black. ``merged`` is :func:`mosaics.evaluation.tables.extrapolation_rows`."""
     from . import paper
 
     task, unit = merged["task"], paper.TRAIN_LENGTH

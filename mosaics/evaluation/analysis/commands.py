@@ -65,7 +65,7 @@ def retrieval_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> i
         p.error(f"--seed: {len(args.seed)} value(s) for {n} --model folder(s); give one per "
                 "folder or one for all")
     from .. import experiments, models, plots, tasks
-    from ..experiments import write_json
+    from ..jobs import write_json
     from . import retrieval
 
     device = args.device or default_device()
@@ -153,8 +153,8 @@ def empty_rows_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
     import torch
 
     from .. import experiments, models, tasks
-    from ..experiments import EXTRAPOLATION_PRESETS
-    from ..sweep import model_label
+    from ..jobs import model_label
+    from ..protocols import EXTRAPOLATION_PRESETS
     from . import retrieval
 
     if args.preset not in EXTRAPOLATION_PRESETS:
