@@ -57,6 +57,28 @@ def test_paper_suite_covers_both_tables():
     assert all(j.preset == "reference" and not j.overrides for j in jobs)
 
 
+def test_job_definitions_import_without_torch(tmp_path):
+    """Protocols, presets and jobs are plain data: listing and checking jobs needs no training
+    stack. The package root registers the model classes (and so imports torch); the check
+    stands in for it with a bare package, so that what it sees is the evaluation modules' own
+    imports."""
+    code = ("import sys, types\n"
+            f"root = types.ModuleType('mosaics'); root.__path__ = [{str(ROOT / 'mosaics')!r}]\n"
+            "sys.modules['mosaics'] = root\n"
+            "from mosaics.evaluation import jobs, protocols\n"
+            "job = jobs.Job('sort', 'llama', preset='cpu', overrides={'steps': 7})\n"
+            "assert protocols.resolve(job.task, job.preset, job.overrides).steps == 7\n"
+            "assert len(jobs.load_job_file(sys.argv[1])[0]) == 4\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    job_file = tmp_path / "jobs.yaml"  # baselines only: a kernel name reads the registry
+    job_file.write_text("defaults: {preset: cpu-learn, overrides: {steps: 9}}\n"
+                        "grid: {task: [sort, mqmtar], model: llama, seed: [0, 1]}\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(job_file)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]"
+
+
 def test_v2_jobs_build_the_v2_block():
     from mosaics.evaluation.models import model_config
 
@@ -400,8 +422,13 @@ def test_committed_results_still_merge_into_tables(results, tmp_path):
     assert "minutes" in text and "failed" not in text
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "eval" / "jobs").glob("*.yaml")),
-                         ids=lambda p: p.name)
+JOBS_DIR = ROOT / "eval" / "jobs"
+# the shared job files, and each research question's own under experiments/<question>/
+JOB_FILES = sorted([*JOBS_DIR.glob("*.yaml"), *(ROOT / "experiments").glob("**/*.yaml")])
+
+
+@pytest.mark.parametrize("path", JOB_FILES, ids=lambda p: p.name if p.parent == JOBS_DIR
+                         else str(p.relative_to(ROOT)))
 def test_committed_job_files_load(path):
     jobs, _ = load_job_file(path)
     assert jobs and len({j.name for j in jobs}) == len(jobs)
