@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_ops import _same_value_and_grad
 
 from mosaics import ops
 from mosaics.kernels import get_kernel
@@ -20,15 +21,6 @@ B, H, T, D = 2, 3, 23, 5
 def _leaves(*shapes) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(len(shapes))
     return [torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_() for s in shapes]
-
-
-def _same_value_and_grad(fast, slow, leaves: list[torch.Tensor]) -> None:
-    y_fast, y_slow = fast(*leaves), slow(*leaves)
-    torch.testing.assert_close(y_fast, y_slow, rtol=1e-9, atol=1e-9)
-    g = torch.randn_like(y_slow)
-    for a, b in zip(torch.autograd.grad(y_fast, leaves, g), torch.autograd.grad(y_slow, leaves, g),
-                    strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-8)
 
 
 def _unit_leaves(*shapes) -> list[torch.Tensor]:
