@@ -88,7 +88,7 @@ EXTRAPOLATION_PRESETS = {
     "cpu": ExtrapolationProtocol(steps=1500, eval_every=250, n_val=64, multipliers=(1, 2, 4, 8),
                                  n_samples=100),
     # Sort on one CPU core in about 20 minutes: smaller batches, more steps, a higher lr and
-    # 4 heads of 32 dimensions (measured curve in docs/evaluation.md).
+    # 4 heads of 32 dimensions (measured curve in docs/notes/2026-11-29-first-cpu-runs.md).
     "cpu-learn": ExtrapolationProtocol(steps=5000, batch_size=16, lr=3e-3, warmup_frac=0.05,
                                        eval_every=250, n_val=64, multipliers=(1, 2, 4, 8),
                                        n_samples=100, n_head=4),
@@ -98,15 +98,16 @@ EXTRAPOLATION_PRESETS["cpu-long"] = replace(EXTRAPOLATION_PRESETS["cpu-learn"], 
                                             eval_every=500)
 # MQMTAR on one CPU core: batch 32 at the paper's lr 1e-3 for 3000 steps (96k sequences). At
 # cpu-learn's batch 16, gaussian seed 1 never started the recall (token accuracy 0.75 after
-# 8000 steps); at batch 32 it reached validation exact match 0.94 by step 2000 (docs/results.md).
+# 8000 steps); at batch 32 it reached validation exact match 0.94 by step 2000
+# (docs/notes/2026-12-03-mqmtar-cpu-recall.md).
 EXTRAPOLATION_PRESETS["cpu-recall"] = replace(EXTRAPOLATION_PRESETS["cpu-learn"], steps=3000,
                                               batch_size=32, lr=1e-3, eval_every=500,
                                               multipliers=(1, 2, 4, 8, 16, 32, 64))
 # ... and at the paper's 20000 steps (Sort's 1x exact match still rises at 12000).
 EXTRAPOLATION_PRESETS["cpu-20k"] = replace(EXTRAPOLATION_PRESETS["cpu-learn"], steps=20000,
                                            eval_every=500)
-# The settings of the sparse-kernel paper's training script (docs/results.md, "Sort: this
-# project's protocol beside the paper's code"): batch 256, d 512 with 8 heads of 64, dropout
+# The settings of the sparse-kernel paper's training script
+# (docs/notes/2026-12-02-sort-protocol.md): batch 256, d 512 with 8 heads of 64, dropout
 # 0.05, 2688 persistent slots per head, 40000 warm-up steps, a cosine over 156250 steps to 5e-5,
 # the last validated weights scored, every 1000 steps. A GPU preset: one of its Sort jobs is
 # 156250 steps of batch 256.
