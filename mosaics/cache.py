@@ -111,9 +111,10 @@ class KernelMemory:
             return replace(self, keys=torch.cat([self.keys, keys], 2),
                            values=torch.cat([self.values, values], 2))
         n, m = len(self), keys.shape[2]
-        buffers = self.buffers
-        if not (buffers is not None and _holds(buffers[0], self.keys, n + m)
-                and _holds(buffers[1], self.values, n + m)):
+        buffers = self.buffers  # set only by append: views of them start at their first entry
+        if not (buffers is not None and buffers[0].shape[2] >= n + m
+                and self.keys.data_ptr() == buffers[0].data_ptr()
+                and self.values.data_ptr() == buffers[1].data_ptr()):
             headroom = max((n + m) // MEMORY_HEADROOM, MIN_MEMORY_BUFFER)
             buffers = tuple(_grown(t, n + m + headroom) for t in (self.keys, self.values))
         buffers[0].narrow(2, n, m).copy_(keys)
@@ -139,13 +140,6 @@ def _grown(stored: Tensor, capacity: int) -> Tensor:
     buffer = stored.new_empty(B, H, capacity, D)
     buffer.narrow(2, 0, n).copy_(stored)
     return buffer
-
-
-def _holds(buffer: Tensor, stored: Tensor, length: int) -> bool:
-    """Whether ``stored`` is the start of ``buffer`` and the buffer has ``length`` entries."""
-    return (buffer.shape[2] >= length and stored.data_ptr() == buffer.data_ptr()
-            and stored.stride() == buffer.stride() and stored.shape[3] == buffer.shape[3]
-            and stored.shape[:2] == buffer.shape[:2])
 
 
 @dataclass

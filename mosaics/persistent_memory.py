@@ -74,8 +74,9 @@ class PersistentMemory(nn.Module):
                                    chunk=self.chunk, decay=w.decay)
         # the banks are shared by every token: fold the batch into the query axis, (H, B n, hs)
         q = unit_vectors(kbar, NORM_EPS).transpose(0, 1).reshape(H, B * n, d // H)
-        y = bank_attention(q, w.keys.to(q.dtype), w.values.to(q.dtype),
-                           self.dropout if self.training else 0.0)
+        banks = (w.keys, w.values) if w.keys.dtype == q.dtype else (w.keys.to(q.dtype),
+                                                                   w.values.to(q.dtype))
+        y = bank_attention(q, *banks, self.dropout if self.training else 0.0)
         y = F.linear(y.view(H, B, n, d // H).permute(1, 2, 0, 3).reshape(B, n, d),
                      self.c_proj.weight)
         if self.training:
@@ -84,6 +85,8 @@ class PersistentMemory(nn.Module):
             return y, None
         if state is None:  # decoding multiplies by (beta' M_k)^T every step: store it that way
             w = w._replace(keys=w.keys.transpose(1, 2).contiguous().transpose(1, 2))
+        elif last is state.kbar:  # a one-token step wrote the running sum in place
+            return y, state
         return y, BankState(kbar=last, weights=w)
 
 
