@@ -99,11 +99,12 @@ def test_compiled_step_equals_eager(version: str, kernel: str) -> None:
 
 @pytest.mark.integration
 def test_graph_breaks_only_at_eager_boundaries() -> None:
-    """v1 with a sparse kernel: the kernel's tiles run eagerly (memory.py, retrieve); v2:
-    the gap draw (modeling_mosaics.py) and the interval retrievals (memory.py, attend). Every
-    break is a ``torch.compiler.disable`` boundary (dynamo counts one per frame on the stack)."""
-    for version, kernel, where in (("v1", "relumax", {"memory.py"}),
-                                   ("v2", "gaussian", {"memory.py", "modeling_mosaics.py"})):
+    """v1 with a sparse kernel: the kernel's tiles run eagerly (recall.py, the whole
+    sequence); v2: the gap draw (modeling_mosaics.py) and the interval retrievals (recall.py,
+    the intervals). Every break is a ``torch.compiler.disable`` boundary (dynamo counts one per
+    frame on the stack)."""
+    for version, kernel, where in (("v1", "relumax", {"recall.py"}),
+                                   ("v2", "gaussian", {"recall.py", "modeling_mosaics.py"})):
         model = _model(version, kernel)
         count, reasons = graph_breaks(lambda ids, m=model: m(input_ids=ids, labels=ids).loss,
                                       _batch(0))
