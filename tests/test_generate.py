@@ -49,7 +49,10 @@ def test_decoding_uses_the_single_row_path(tiny_config, kernel, monkeypatch):
         original = module.decode_softmax
         monkeypatch.setattr(module, "decode_softmax",
                             lambda *a: calls.append(1) or original(*a))
-    else:
+    else:  # the PyTorch row (epanechnikov's compiled row: tests/test_sparse_rows.py)
+        import mosaics.kernels.entmax_kernel as entmax_module
+
+        monkeypatch.setattr(entmax_module, "sparsemax_row", lambda *a: None)
         cls = type(model.model.blocks[0].cmem.kernel)
         original = cls.row_weights
         monkeypatch.setattr(cls, "row_weights",

@@ -23,6 +23,7 @@ import os
 from torch import Tensor
 
 from ..ops.entmax import check_alpha, entmax_backward, entmax_exponent, entmax_tau
+from ..ops.sparse_rows import sparsemax_row
 from ..ops.triton_backend import fused_reason
 from .adasplash_backend import ENV_SWITCH as ADASPLASH_SWITCH
 from .adasplash_backend import retrieval as adasplash_retrieval
@@ -81,6 +82,12 @@ class EntmaxKernel(PowerKernel):
     def row_weights(self, cos: Tensor, beta: Tensor) -> tuple[Tensor, Tensor | None]:
         solve = SORTED_ROW_SOLVERS.get(self.alpha)  # decoding: exact, on the top entries only
         return super().row_weights(cos, beta) if solve is None else solve(cos * beta)
+
+    def decode_row(self, query: Tensor, keys: Tensor, values: Tensor, beta: Tensor) -> Tensor:
+        """Sparsemax (alpha 2): the compiled row on CPU where it applies
+        (:func:`~mosaics.ops.sparse_rows.sparsemax_row`), else the PyTorch row."""
+        y = sparsemax_row(query, keys, values, beta) if self.alpha == 2.0 else None
+        return super().decode_row(query, keys, values, beta) if y is None else y
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, alpha={self.alpha:g}"

@@ -84,6 +84,11 @@ class ScoreKernel(Kernel):
         mask = torch.ones(1, cos.shape[-1], dtype=torch.bool, device=cos.device)
         return self.weights(cos, beta, mask), None
 
+    def decode_row(self, query: Tensor, keys: Tensor, values: Tensor, beta: Tensor) -> Tensor:
+        """One decoding query (B, H, 1, hs) over all S entries, without gradients:
+        :func:`~.base.decode_row` (this kernel's :meth:`row_weights` times V)."""
+        return decode_row(self, query, keys, values, beta)
+
     def weights_backward(self, p: Tensor, dp: Tensor, cos: Tensor, beta: Tensor,
                          mask: Tensor) -> tuple[Tensor, Tensor]:
         """Gradients (d cos (B, H, n, S), d beta summed to beta's shape: (1, H, 1, 1), or
@@ -113,7 +118,7 @@ class ScoreKernel(Kernel):
             return super().step(memory, queries, keys, values, beta, lo, hi, base)
         state = memory.append(keys, values)
         if queries.shape[2] == 1 and not _needs_grad(queries, keys, values, beta):
-            return decode_row(self, queries, state.keys, state.values, beta), state
+            return self.decode_row(queries, state.keys, state.values, beta), state
         offset = len(state) - queries.shape[2]
         return retrieve(self, queries, state.keys, state.values, beta, offset), state
 
@@ -148,8 +153,8 @@ class ScoreKernel(Kernel):
             cols = shared_slice(lo, hi, keys.shape[2])
             if cols is not None:  # decoding, one interval for the whole batch: a slice
                 a, b = cols[0], max(cols)
-                return decode_row(self, queries, keys[:, :, a:b], values[:, :, a:b],
-                                  beta4.reshape(H))
+                return self.decode_row(queries, keys[:, :, a:b], values[:, :, a:b],
+                                       beta4.reshape(H))
         offset = causal_offset(lo, hi)
         if beta.dim() == 1 and offset is not None:
             return retrieve(self, queries, keys, values, beta, offset)

@@ -23,6 +23,7 @@ import functools
 import hashlib
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -51,7 +52,16 @@ def bank_extension() -> ModuleType | None:
     """The compiled module (``forward``, ``backward``), or None where it is disabled or does
     not build or pass its check on this machine (warned once). A flat copy of the model code
     beside a checkpoint (``trust_remote_code``) has no C++ source: None, silently."""
-    if not extension_enabled() or not SOURCE.exists():
+    return build_extension(SOURCE, NAME, _check, "the compiled CPU slot-bank kernel",
+                           "the persistent memory uses PyTorch's fused attention instead")
+
+
+def build_extension(source: Path, name: str, check: Callable[[ModuleType], None], what: str,
+                    instead: str) -> ModuleType | None:
+    """Build ``source`` with :func:`torch.utils.cpp_extension.load` for this CPU's capability
+    and run ``check`` on it; None where ``MOSAICS_CPU_EXTENSION`` disables it, the source is
+    absent, or the build or the check fails (one warning naming ``what`` and ``instead``)."""
+    if not extension_enabled() or not source.exists():
         return None
     capability = torch.backends.cpu.get_cpu_capability()
     flags = CAPABILITY_FLAGS.get(capability, [])
@@ -62,15 +72,14 @@ def bank_extension() -> ModuleType | None:
 
         # one build per checkout and source: two checkouts sharing TORCH_EXTENSIONS_DIR would
         # otherwise rebuild each other's build (its build file names the source's path)
-        digest = hashlib.sha256(str(SOURCE).encode() + SOURCE.read_bytes()).hexdigest()[:10]
-        module = load(name=f"{NAME}_{capability.lower()}_{digest}", sources=[str(SOURCE)],
+        digest = hashlib.sha256(str(source).encode() + source.read_bytes()).hexdigest()[:10]
+        module = load(name=f"{name}_{capability.lower()}_{digest}", sources=[str(source)],
                       extra_cflags=["-O3", "-fopenmp", *flags], verbose=False)
-        _check(module)
+        check(module)
     except Exception as err:  # no compiler, no ninja, an unsupported CPU, a wrong result
-        warnings.warn(f"mosaics: the compiled CPU slot-bank kernel is unavailable "
-                      f"({type(err).__name__}: {str(err).strip()[:300]}); the persistent memory "
-                      f"uses PyTorch's fused attention instead (set {ENV}=0 to skip the build)",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(f"mosaics: {what} is unavailable ({type(err).__name__}: "
+                      f"{str(err).strip()[:300]}); {instead} (set {ENV}=0 to skip the build)",
+                      RuntimeWarning, stacklevel=3)
         return None
     return module
 
