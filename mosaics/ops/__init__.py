@@ -12,6 +12,7 @@ op                       reference                       what it computes
 ``causal_linear_att..``  ``causal_linear_att.._ref..``   sum_{s<t} q_t.k_s [v_s, 1], normalised
 ``power_attention``      ``power_attention_reference``   [a (q.k - m) - s]_+^r / sum, j in lo..hi
 ``knn_attention``        ``knn_attention_reference``     softmax or 1/count on the top-k q.k
+``sparsemax_row``        ``sparsemax_row_reference``     decoding: sparsemax(beta q.k) V, one row
 ``interval_linear_at..`` ``interval_linear_at.._ref..``  sum_j f_i.g_j [v_j, 1], j in lo..hi
 ``entmax``               ``entmax_reference``            [(alpha - 1)(z - max z) - tau]_+^r
 ``score_retrieval``      ``score_retrieval_reference``   normalizer(beta q.k, j <= i + d) v
@@ -48,6 +49,7 @@ from .score_retrieval import (
     score_retrieval,
     score_retrieval_reference,
 )
+from .sparse_rows import sparsemax_row, sparsemax_row_reference
 from .topk_retrieval import dense_top_k_retrieval, top_k_retrieval
 from .unit import (
     lookahead_values,
@@ -81,6 +83,8 @@ __all__ = [
     "power_attention",
     "power_attention_reference",
     "power_retrieval",
+    "sparsemax_row",
+    "sparsemax_row_reference",
     "score_retrieval",
     "score_retrieval_reference",
     "top_k_retrieval",
