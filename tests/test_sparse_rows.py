@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_generate import decode_one_by_one
 
 from mosaics import MosaicsForCausalLM
 from mosaics.cache import KernelMemory
@@ -70,13 +71,9 @@ def test_epanechnikov_decoding_takes_the_compiled_row(tiny_config, monkeypatch):
                         lambda *a: calls.append(1) or original(*a))
     with torch.no_grad():
         full = model(ids).logits
-        out = model(ids[:, :5], use_cache=True)
-        steps = [out.logits]
-        for t in range(5, 12):
-            out = model(ids[:, t:t + 1], cache=out.cache, use_cache=True)
-            steps.append(out.logits)
+        steps, _ = decode_one_by_one(model, ids, 5)
     assert len(calls) == 7 * model.config.n_layer
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(steps, full, rtol=1e-4, atol=1e-5)
 
 
 def test_without_the_compiled_row_decoding_falls_back(tiny_config, monkeypatch):
@@ -85,9 +82,5 @@ def test_without_the_compiled_row_decoding_falls_back(tiny_config, monkeypatch):
     ids = torch.randint(0, 61, (1, 9))
     with torch.no_grad():
         full = model(ids).logits
-        out = model(ids[:, :4], use_cache=True)
-        steps = [out.logits]
-        for t in range(4, 9):
-            out = model(ids[:, t:t + 1], cache=out.cache, use_cache=True)
-            steps.append(out.logits)
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-5)
+        steps, _ = decode_one_by_one(model, ids, 4)
+    torch.testing.assert_close(steps, full, rtol=1e-4, atol=1e-5)
