@@ -35,6 +35,10 @@ torch::Tensor sparsemax_rows(torch::Tensor q, torch::Tensor keys, torch::Tensor 
   TORCH_CHECK(q.dim() == 2 && keys.dim() == 3 && values.dim() == 3 && beta.dim() == 1,
               "sparsemax_rows: q (BH, D), keys and values (BH, S, D), beta (BH,)");
   const int64_t BH = keys.size(0), S = keys.size(1), D = keys.size(2);
+  TORCH_CHECK(q.size(0) == BH && q.size(1) == D && values.size(0) == BH &&
+              values.size(1) == S && values.size(2) == D && beta.size(0) == BH,
+              "sparsemax_rows: sizes must agree: q (BH, D), keys and values (BH, S, D), "
+              "beta (BH,)");
   TORCH_CHECK(keys.stride(2) == 1 && keys.stride(1) == D && values.stride(2) == 1 &&
               values.stride(1) == D && q.stride(1) == 1 && beta.stride(0) == 1,
               "sparsemax_rows: rows of D contiguous entries");

@@ -60,13 +60,14 @@ def rows_extension() -> ModuleType | None:
 
 def sparsemax_row(query: Tensor, keys: Tensor, values: Tensor, beta: Tensor) -> Tensor | None:
     """:func:`sparsemax_row_reference` through the compiled row, or None where it does not
-    apply: not fp32 on CPU, gradients, entries not in rows of hs contiguous numbers (the
-    decoding memory's buffers are), or no compiled module here."""
+    apply: not fp32 on CPU, gradients, values of another size than the keys, entries not in
+    rows of hs contiguous numbers (the decoding memory's buffers are), or no compiled module
+    here."""
     if (query.device.type != "cpu" or torch.is_grad_enabled()
             or any(t.dtype != torch.float32 for t in (query, keys, values, beta))):
         return None
     B, H, S, hs = keys.shape
-    if (keys.stride(3) != 1 or keys.stride(2) != hs or values.stride(3) != 1
+    if (values.shape[3] != hs or keys.stride(3) != 1 or keys.stride(2) != hs or values.stride(3) != 1
             or values.stride(2) != values.shape[3] or keys.stride(0) != H * keys.stride(1)
             or values.stride(0) != H * values.stride(1)):
         return None
@@ -74,5 +75,5 @@ def sparsemax_row(query: Tensor, keys: Tensor, values: Tensor, beta: Tensor) -> 
     if module is None:
         return None
     y = module.sparsemax_rows(query.reshape(B * H, hs), keys.view(B * H, S, hs),
-                              values.view(B * H, S, values.shape[3]), beta.repeat(B))
+                              values.view(B * H, S, hs), beta.repeat(B))
     return y.view(B, H, 1, -1)
