@@ -67,8 +67,9 @@ def sparsemax_row(query: Tensor, keys: Tensor, values: Tensor, beta: Tensor) -> 
             or any(t.dtype != torch.float32 for t in (query, keys, values, beta))):
         return None
     B, H, S, hs = keys.shape
-    if (values.shape[3] != hs or keys.stride(3) != 1 or keys.stride(2) != hs or values.stride(3) != 1
-            or values.stride(2) != values.shape[3] or keys.stride(0) != H * keys.stride(1)
+    if (values.shape[3] != hs or keys.stride(3) != 1 or keys.stride(2) != hs
+            or values.stride(3) != 1 or values.stride(2) != hs
+            or keys.stride(0) != H * keys.stride(1)
             or values.stride(0) != H * values.stride(1)):
         return None
     module = rows_extension()
