@@ -232,15 +232,14 @@ class PowerKernel(ScoreKernel):
         shaped like x that may be overwritten."""
         raise NotImplementedError
 
-    def shift_rows_(self, cos: Tensor, a: Tensor) -> tuple[Tensor | float, Tensor | float,
-                                                           Tensor | None]:
-        """Masked cosines (..., W) (-inf masked, W a multiple of BLOCK) -> u, in place.
+    def shift_rows_(self, cos: Tensor, a: Tensor, buffers: tuple[Tensor, Tensor] | None = None
+                    ) -> tuple[Tensor | float, Tensor | float, Tensor | None]:
+        """Masked cosines (..., W) (-inf masked, W a multiple of BLOCK), scales a (broadcast to
+        the rows) -> u = [a (c - m) - shift]_+, in place.
 
         Returns (m, shift, arg max) per row (the arg max only where the gradient needs it).
+        ``buffers``: two tensors shaped like ``cos`` that :meth:`row_shift` may overwrite.
         """
-        return self._shift_rows_(cos, a, None)
-
-    def _shift_rows_(self, cos: Tensor, a: Tensor, buffers: tuple[Tensor, Tensor] | None):
         arg = None
         if self.anchor is None:
             bmax = block_max(cos)

@@ -61,7 +61,7 @@ class PowerNormalizer(Protocol):
     """What :func:`power_retrieval` needs of a kernel
     (:class:`mosaics.kernels.score_kernel.PowerKernel`): w = u^r / N, u = [a (c - m) -
     shift]_+ with a = ``score_scale`` beta, m the row max (``anchor`` None) or ``anchor``,
-    shift (and, anchored at the row max, its arg max) per row from ``_shift_rows_`` (in place
+    shift (and, anchored at the row max, its arg max) per row from ``shift_rows_`` (in place
     on masked cosines), ``entmax_gradient``: the shift follows the scores (N = 1)."""
 
     chunk_elements: int
@@ -70,8 +70,8 @@ class PowerNormalizer(Protocol):
     anchor: float | None
     entmax_gradient: bool
 
-    def _shift_rows_(self, cos: Tensor, a: Tensor, buffers: tuple[Tensor, Tensor] | None
-                     ) -> tuple[Tensor | float, Tensor | float, Tensor | None]: ...
+    def shift_rows_(self, cos: Tensor, a: Tensor, buffers: tuple[Tensor, Tensor] | None = None
+                    ) -> tuple[Tensor | float, Tensor | float, Tensor | None]: ...
 
 
 def score_retrieval(queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
@@ -482,7 +482,7 @@ class _PowerRetrieval(torch.autograd.Function):
             arg = torch.zeros(B * H, n, 1, dtype=torch.long, device=q.device)
             for lo, hi, c0, c1 in grid:
                 u = grid.scores(q, lo, hi, c0, c1)
-                m, shift, top = kernel._shift_rows_(
+                m, shift, top = kernel.shift_rows_(
                     u, _rows(a, lo, hi),
                     (grid.view(1, hi - lo, c1 - c0), grid.view(2, hi - lo, c1 - c0)))
                 p = u if r == 1 else entmax_power(u, r, out=grid.view(1, hi - lo, c1 - c0))
