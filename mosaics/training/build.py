@@ -1,4 +1,5 @@
-"""Build the model a ``TrainConfig`` asks for: Memory Mosaics or the matched GPT-2 baseline."""
+"""Build the model a ``TrainConfig`` asks for: Memory Mosaics or a matched transformer baseline
+(GPT-2 with learned positions, or the rotary Llama-style one)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from ..baselines import gpt2_config_like
+from ..baselines import gpt2_config_like, llama_config_like
 from ..configuration_mosaics import MosaicsConfig
 from ..modeling_mosaics import MosaicsForCausalLM
 from .config import TrainConfig
@@ -62,7 +63,8 @@ def build_model(cfg: TrainConfig, vocab_size: int, **token_ids: int | None) -> P
     """A freshly initialised model, identical on every process (seeded by ``cfg.seed``)."""
     mcfg = mosaics_config(cfg, vocab_size, **token_ids)
     torch.manual_seed(cfg.seed)
-    model = causal_lm(mcfg if cfg.model_type == "mosaics" else gpt2_config_like(mcfg))
+    like = {"mosaics": lambda c: c, "gpt2": gpt2_config_like, "llama": llama_config_like}
+    model = causal_lm(like[cfg.model_type](mcfg))
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model

@@ -21,7 +21,7 @@ import yaml
 from ..errors import ConfigError
 from .metrics import tracker_names
 
-MODEL_TYPES = ("mosaics", "gpt2")
+MODEL_TYPES = ("mosaics", "gpt2", "llama")
 PRECISIONS = ("auto", "no", "fp16", "bf16")
 
 

@@ -91,10 +91,20 @@ def gpt2_forward_flops(config: Any, T: int) -> float:
     return L * (8 * d * d + 4 * d * inner + 4 * d * (T + 1) / 2) + 2 * d * V
 
 
+def llama_forward_flops(config: Any, T: int) -> float:
+    """Forward matrix-product FLOPs per token of a ``LlamaConfig`` (SwiGLU: three d x hidden
+    products) at sequence length T."""
+    d, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    return L * (8 * d * d + 6 * d * config.intermediate_size + 4 * d * (T + 1) / 2) + 2 * d * V
+
+
 def flops_per_token(config: Any, T: int) -> float:
     """Model FLOPs per training token (forward + backward) at sequence length T."""
-    if getattr(config, "model_type", None) == "gpt2":
+    model_type = getattr(config, "model_type", None)
+    if model_type == "gpt2":
         forward = gpt2_forward_flops(config, T)
+    elif model_type == "llama":
+        forward = llama_forward_flops(config, T)
     else:
         forward = mosaics_forward_flops(config, T)
     return 3.0 * forward
