@@ -163,7 +163,7 @@ def _intervals(n: int, S: int, batch_rows: int, seed: int) -> tuple[torch.Tensor
 
 @pytest.mark.parametrize("batch_rows,elements", [(1, 600), (2, 600), (2, 10**6)])
 def test_interval_attention_matches_masked_sdpa(batch_rows, elements):
-    from mosaics.kernels.base import attend_plan, bounds_mask
+    from mosaics.ops.intervals import attend_plan, bounds_mask
 
     B, H, n, S, hs = 2, 3, 50, 40, 8
     g = torch.Generator().manual_seed(3)
@@ -187,7 +187,7 @@ def test_interval_attention_matches_masked_sdpa(batch_rows, elements):
 
 
 def test_interval_attention_gradcheck():
-    from mosaics.kernels.base import attend_plan
+    from mosaics.ops.intervals import attend_plan
 
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 2, m, 3, generator=g, dtype=torch.float64).requires_grad_()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mosaics.kernels.entmax_rows import SORTED_ROW_SOLVERS
-from mosaics.kernels.normalizers import entmax_forward
+from mosaics.ops.entmax import entmax_forward
 
 
 def dense(weights: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tensor:

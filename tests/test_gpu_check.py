@@ -74,7 +74,7 @@ def test_kernels_section_reports_fused_paths_and_adasplash(monkeypatch) -> None:
 
     pytest.importorskip("triton")
     from mosaics.kernels import adasplash_backend
-    from mosaics.kernels.normalizers import entmax
+    from mosaics.ops.entmax import entmax
 
     def dense(q, k, v, alpha):  # noqa: ANN001, ANN202
         n = q.shape[-2]

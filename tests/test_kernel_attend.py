@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from mosaics.kernels import available_kernels, get_kernel
-from mosaics.kernels.base import Kernel, attend_plan, causal_offset
+from mosaics.kernels.base import Kernel
 from mosaics.kernels.spectral_flow import angle_features, projections
+from mosaics.ops.intervals import attend_plan, causal_offset
 
 entmax_pkg = pytest.importorskip("entmax")
 

@@ -17,8 +17,8 @@ entmax_pkg = pytest.importorskip("entmax")
 
 from mosaics import MosaicsForCausalLM  # noqa: E402
 from mosaics.kernels import available_kernels, get_kernel  # noqa: E402
-from mosaics.kernels.normalizers import entmax, entmax15, sparsemax  # noqa: E402
 from mosaics.kernels.score_kernel import retrieve  # noqa: E402
+from mosaics.ops.entmax import entmax, entmax15, sparsemax  # noqa: E402
 
 # (registered name, kernel_kwargs) pairs covering every kernel and its options
 CASES = [
@@ -468,8 +468,8 @@ def test_custom_score_kernel_from_the_docs(tiny_config):
 def test_dense_knn_retrieval_equals_the_tiled_one(name, offset, k):
     """Short memories take dense matrices (_DenseTopKRetrieval), long ones the tiles of k
     gathered rows: both give the same output and gradients (float64, ties impossible)."""
-    from mosaics.kernels.knn import _DenseTopKRetrieval
     from mosaics.kernels.score_kernel import retrieve
+    from mosaics.ops.topk_retrieval import _DenseTopKRetrieval
 
     keys = unit_keys(2, 3, 30, 8, dtype=torch.float64, seed=5)
     queries = unit_keys(2, 3, 30 - offset, 8, dtype=torch.float64, seed=6)

@@ -20,17 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..cache import KernelMemory
-from ..ops.intervals import (  # noqa: F401  (kernels import them from here)
-    MIN_ATTEND_ROWS,
-    attend_plan,
-    bounds_mask,
-    causal_offset,
-    check_attend_args,
-    interval_bounds,
-    interval_mask,
-    run_plan,
-    shared_slice,
-)
+from ..ops.intervals import check_attend_args
 
 _REGISTRY: dict[str, type[Kernel]] = {}
 

@@ -46,19 +46,17 @@ from ..ops.feature_attention import (
     row_reference,
     stable_causal_linear_attention,
 )
-from ..ops.linear_attention import linear_attention_unsupported
-from ..ops.triton_backend import fused_expected, fused_reason, note_path
-from .base import (
-    Kernel,
+from ..ops.intervals import (
     attend_plan,
     bounds_mask,
     causal_offset,
     check_attend_args,
-    extend_mask,
     interval_bounds,
-    register_kernel,
     run_plan,
 )
+from ..ops.linear_attention import linear_attention_unsupported
+from ..ops.triton_backend import fused_expected, fused_reason, note_path
+from .base import Kernel, extend_mask, register_kernel
 from .spectral_flow import (
     SpectralFlow,
     SpectralMixturePrior,

@@ -16,20 +16,16 @@ from torch import Tensor
 
 from ..cache import KernelMemory
 from ..ops.causal import causal_attention, interval_attention
-from .base import (
-    Kernel,
+from ..ops.intervals import (
     attend_plan,
-    batched_rows,
     bounds_mask,
     causal_offset,
     check_attend_args,
-    extend_mask,
     interval_bounds,
-    register_kernel,
     run_plan,
     shared_slice,
-    work_precision,
 )
+from .base import Kernel, batched_rows, extend_mask, register_kernel, work_precision
 
 
 @register_kernel("gaussian")

@@ -35,10 +35,7 @@ from torch import Tensor
 from ..ops.entmax import entmax_backward, shifted_scores
 from ..ops.knn_attention import knn_attention, knn_unsupported
 from ..ops.score_retrieval import _Tiles
-from ..ops.topk_retrieval import _DenseTopKRetrieval as _DenseTopKRetrieval
-from ..ops.topk_retrieval import _TopKRetrieval as _TopKRetrieval
 from ..ops.topk_retrieval import dense_top_k_retrieval, top_k_retrieval, top_k_support
-from ..ops.topk_retrieval import top_k_blocks as top_k_blocks
 from ..ops.triton_backend import fused_expected, fused_reason, note_path
 from .base import register_kernel
 from .score_kernel import ScoreKernel, check_positive_int

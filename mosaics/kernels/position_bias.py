@@ -24,8 +24,9 @@ import math
 import torch
 from torch import Tensor
 
+from ..ops.score_retrieval import _ChunkedRetrieval
 from .base import Kernel
-from .score_kernel import PowerKernel, _ChunkedRetrieval
+from .score_kernel import PowerKernel
 
 
 def alibi_slopes(n_head: int) -> Tensor:
@@ -64,8 +65,8 @@ def biased_retrieval(kernel: Kernel, queries: Tensor, keys: Tensor, values: Tens
     Returns:
         (B, H, n, hv) in the values' dtype; a row that sees no entry is 0. The kernel's fused
         path where it serves the call (``ScoreKernel.fused_retrieval``), else the chunked
-        retrieval of the score kernels (``score_kernel._ChunkedRetrieval``) with the bias;
-        either saves O(n) for backward.
+        retrieval of the score kernels (``mosaics.ops.score_retrieval._ChunkedRetrieval``)
+        with the bias; either saves O(n) for backward.
     """
     H = queries.shape[1]
     if beta.shape != (H,) or slopes.shape != (H,):

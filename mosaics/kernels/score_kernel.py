@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..cache import KernelMemory
 from ..ops.entmax import block_max, entmax_power, pad_to_block, work_dtype
+from ..ops.intervals import attend_plan, causal_offset, check_attend_args, shared_slice
 from ..ops.power_attention import power_attention
 from ..ops.score_retrieval import (
     TILE_ROWS,
@@ -34,18 +35,8 @@ from ..ops.score_retrieval import (
     power_retrieval,
     score_retrieval,
 )
-from ..ops.score_retrieval import _ChunkedRetrieval as _ChunkedRetrieval
-from ..ops.score_retrieval import _IntervalRetrieval as _IntervalRetrieval
-from ..ops.score_retrieval import _PowerRetrieval as _PowerRetrieval
 from ..ops.triton_backend import fused_expected, fused_reason, note_path
-from .base import (
-    Kernel,
-    attend_plan,
-    causal_offset,
-    check_attend_args,
-    decode_row,
-    shared_slice,
-)
+from .base import Kernel, decode_row
 
 CHUNK_ELEMENTS = 2**21  # target size of one (B, H, rows, keys) fp32 block, ~8 MB
 FUSED_MAX_HEAD = 128  # largest head or value size of the fused Triton kernels
