@@ -101,6 +101,10 @@ class TrainConfig:
     # allocation each) or "run" (every attempt together, a compute budget for a protocol)
     time_budget_scope: str = "attempt"
 
+    # evaluations on the live model: {name: interval} or {name: {interval, budget_s, ...}};
+    # position_loss, sample, recall, lm_eval (mosaics.training.evals)
+    evals: dict[str, Any] = field(default_factory=dict)
+
     # final model and sample
     save_final: bool = True
     sample_prompt: str = "Once upon a time"
@@ -153,6 +157,9 @@ class TrainConfig:
             raise ConfigError(f"global_batch_size must be positive or null, got "
                              f"{self.global_batch_size}.")
         tracker_names(self.log_with, self.tensorboard)  # raises on an unknown tracker
+        from .evals import parse_evals
+
+        parse_evals(self.evals)
 
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per optimizer step on each process.

@@ -141,3 +141,12 @@ class MetricsLog:
                 tracker.finish()
             self.accelerator.trackers.clear()
             self.accelerator = None
+
+
+def log_row(trainer: Any, step: int, values: dict[str, Any], history: bool = True) -> None:
+    """A row of a hook's values at ``step``: metrics.jsonl and the trackers (main process),
+    and ``trainer.history`` (so a resumed run keeps it) unless ``history=False``."""
+    if history:
+        trainer.history.append({"step": step, **values})
+    if trainer.metrics is not None:
+        trainer.metrics.log(step, values)

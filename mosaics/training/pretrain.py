@@ -21,6 +21,7 @@ from accelerate.utils import broadcast_object_list
 
 from ..errors import ConfigError
 from .build import as_hf_tokenizer, build_model, special_token_ids
+from .components import build_hooks
 from .config import TrainConfig, save_config
 from .rundir import RunLock, prepare_run_dir
 from .signals import EXIT_PREEMPTED, RunPreempted
@@ -128,8 +129,9 @@ def _train_locked(cfg: TrainConfig, accelerator: Accelerator) -> TrainResult:
     windows = fixed_validation_windows(corpus.val_tokens, cfg.block_size, cfg.eval_windows,
                                        cfg.data_seed)
     model = build_model(cfg, len(tokenizer), **special_token_ids(tokenizer))
+    hooks = build_hooks(cfg, tokenizer, main)
     trainer = Trainer(cfg, model, batches, validation_batches(windows, cfg.eval_batch_size * world),
-                      accelerator=accelerator)
+                      hooks=hooks, accelerator=accelerator)
     trainer.setup()
     accum = trainer.accumulation
     if main:

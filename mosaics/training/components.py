@@ -1,0 +1,50 @@
+"""The hooks and wrappers a pretraining run gets from its config (evaluations, system
+metrics, profiler, watchdog), kept out of the loop itself."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from .config import TrainConfig
+from .evals import Evaluation, PositionLoss, RecallProbe, SampleText, parse_evals
+
+VAL_STORY_SEED_OFFSET = 1_000_003  # the built-in corpus's validation stories (storygen)
+
+
+def build_evaluations(cfg: TrainConfig, tokenizer: Any, main: bool = True) -> list[Evaluation]:
+    """The evaluations of ``cfg.evals``; ``recall`` needs the built-in story corpus (its own
+    question) and is left out with one line for other corpora."""
+    out: list[Evaluation] = []
+    for spec in parse_evals(cfg.evals):
+        if spec.name == "position_loss":
+            out.append(PositionLoss(spec))
+        elif spec.name == "sample":
+            out.append(SampleText(spec, tokenizer, cfg.sample_prompt, cfg.seed))
+        elif spec.name == "recall":
+            if cfg.data_source is not None:
+                if main:
+                    print("evals.recall: the recall probe asks the built-in story corpus's own "
+                          "question; this corpus has none, so it is skipped", file=sys.stderr)
+                continue
+            from ..data.storygen import generate_story_records
+
+            count = int(spec.options.get("prompts", 32))
+            stories = generate_story_records(count, cfg.data_seed + VAL_STORY_SEED_OFFSET)
+            out.append(RecallProbe(spec, tokenizer, stories))
+        elif spec.name == "lm_eval":
+            from .eval_lm_harness import LmEvalTasks
+
+            out.append(LmEvalTasks(spec, tokenizer))
+    return out
+
+
+def build_hooks(cfg: TrainConfig, tokenizer: Any, main: bool = True) -> list[Any]:
+    """Every hook ``cfg`` asks for, in the order they run after each step."""
+    from .eval_hook import EvalHook
+
+    hooks: list[Any] = []
+    evaluations = build_evaluations(cfg, tokenizer, main)
+    if evaluations:
+        hooks.append(EvalHook(evaluations))
+    return hooks
