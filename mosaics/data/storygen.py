@@ -34,6 +34,7 @@ __all__ = [
     "context_oracle_report",
     "generate_stories",
     "generate_story_records",
+    "gift_fact",
     "make_default_corpus",
     "write_story_file",
 ]
@@ -290,6 +291,28 @@ def _episode_day(rng: random.Random, tale: _Tale) -> tuple[str, str | None]:
         f"On the way home from the {place}, {b.name} sang a song.",
     ]
     return s, place
+
+
+def gift_fact(rng: random.Random, exclude_objects: Iterable[str] = (),
+              exclude_colours: Iterable[str] = ()) -> tuple[str, str, str, str]:
+    """One gift episode in the corpus's own phrasing, about an object and a colour not in the
+    exclusions: (text, object, colour, question), the question ending before the colour,
+    e.g. ``"What color was the kite? The kite was"``."""
+    used, banned = set(exclude_objects), set(exclude_colours)
+    if not set(OBJECTS) - used or not set(COLOURS) - banned:
+        raise ValueError("every object or every colour is excluded; a fact needs one of each")
+    while True:
+        tale = _Tale(_cast(rng, 2), used=set(used))
+        text, _ = _episode_gift(rng, tale)
+        _, question, lead, colour = next(f for f in tale.facts if f[0] == "colour")
+        if colour not in banned:
+            obj = question.split()[-1].rstrip("?")
+            return text, obj, colour, f"{question} {lead}"
+
+
+def question_lead(rng: random.Random) -> str:
+    """A lead-in the corpus puts before its recall question ("", "Think back. ", ...)."""
+    return rng.choice(_QUESTION_LEADS)
 
 
 _EPISODES = (_episode_gift, _episode_pet, _episode_count, _episode_lost, _episode_day)

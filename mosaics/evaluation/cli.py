@@ -374,6 +374,75 @@ def perplexity_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 
 
+# --- needle ------------------------------------------------------------------------------------
+
+def _float_list(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers: {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one number")
+    return values
+
+
+def _needle_parser(p: argparse.ArgumentParser) -> None:
+    from .needle import DEPTHS, MULTIPLIERS
+
+    p.add_argument("model", help="saved model directory (config.json + weights + tokenizer)")
+    p.add_argument("--data", default=None,
+                   help="text source whose validation split builds the haystack (default: the "
+                        "built-in story corpus; another corpus gets the passkey prompts)")
+    p.add_argument("--corpus-seed", type=int, default=0,
+                   help="seed of the built-in story corpus the model trained on")
+    p.add_argument("--lengths", type=_float_list,
+                   default=list(MULTIPLIERS), metavar="M1,M2,...",
+                   help="prompt lengths as multiples of the training length (default "
+                        f"{','.join(map(str, MULTIPLIERS))})")
+    p.add_argument("--depths", type=_float_list, default=list(DEPTHS), metavar="D1,D2,...",
+                   help="depths of the gold fact in [0, 1] (default 0,0.25,0.5,0.75,1)")
+    p.add_argument("--prompts", type=positive_int, default=None,
+                   help="prompts per cell (default 100 on a GPU, 20 on the CPU)")
+    p.add_argument("--facts", type=positive_int, default=3,
+                   help="facts per prompt, the gold one included (default 3)")
+    p.add_argument("--mode", choices=("auto", "story", "passkey"), default="auto")
+    p.add_argument("--no-controls", action="store_true",
+                   help="skip the no-gold and recent-window control cells")
+    p.add_argument("--loss-multiplier", type=int, default=16,
+                   help="loss by position in windows of this many training lengths (0: skip)")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None,
+                   help="output folder (default: <model>/recall); existing cells are kept")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def needle_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    check_model_dirs(p, [args.model])
+    if any(not 0 <= d <= 1 for d in args.depths):
+        p.error(f"--depths must lie in [0, 1], got {args.depths}")
+    from ..data.loading import DataError
+    from . import recall_probe
+    from .needle import CONTROLS, NeedleError
+
+    device = args.device or default_device()
+    prompts = args.prompts or (100 if device.startswith("cuda") else 20)
+    out = Path(args.out or Path(args.model) / "recall")
+    try:
+        result = recall_probe.probe(
+            args.model, out, args.data, args.lengths, args.depths, prompts, args.facts,
+            args.seed, args.batch_size, () if args.no_controls else CONTROLS, args.mode,
+            loss_multiplier=args.loss_multiplier, device=device,
+            progress=not args.no_progress, corpus_seed=args.corpus_seed)
+    except (NeedleError, DataError, OSError) as err:
+        p.error(str(err))
+    print(recall_probe.markdown(result))
+    print(f"results: {out / 'recall.json'} (cells: {out / 'cells'})\n"
+          f"heatmap: {out / 'needle_heatmap.png'}")
+    return 0
+
+
 # --- compare-loss ------------------------------------------------------------------------------
 
 def _compare_parser(p: argparse.ArgumentParser) -> None:
@@ -447,6 +516,10 @@ COMMANDS = {
                       "match at 64 x multipliers, one job per (task, model, seed)"),
     "perplexity": (_perplexity_parser, perplexity_command,
                    "validation loss, perplexity and loss by position of a saved causal LM"),
+    "needle": (_needle_parser, needle_command,
+               "recall beyond the training length: a multi-key needle (the story corpus's "
+               "facts, or a passkey) at lengths x depths, with controls; JSON per cell, "
+               "heatmap, table"),
     "sweep": (_sweep_parser, sweep_command,
               "any grid of task jobs (--task x --model x --seed x --size), a job file, or the "
               "paper's suite; --summary-only merges what is under --out"),
