@@ -109,9 +109,13 @@ class MetricsLog:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        self.tracked_through = -1  # steps the trackers hold from an earlier attempt
+        self.reopened: set[str] = set()  # trackers that reopened that attempt's run
         if self.path.exists():
-            rows = [r for r in self.path.read_text().splitlines()
-                    if r.strip() and json.loads(r)["step"] <= start_step]
+            rows = [r for r in self.path.read_text().splitlines() if r.strip()]
+            steps = [json.loads(r)["step"] for r in rows]
+            self.tracked_through = max(steps, default=-1)
+            rows = [r for r, s in zip(rows, steps) if s <= start_step]
             self.path.write_text("".join(r + "\n" for r in rows))
         names = [str(t) for t in getattr(accelerator, "log_with", None) or []]
         if not names:
@@ -119,18 +123,27 @@ class MetricsLog:
             return
         if "mlflow" in names:
             _mlflow_store(run_dir)
-        kwargs = {"wandb": {"name": run_dir.name, "dir": str(run_dir)},
-                  "mlflow": {"run_name": run_dir.name}}
+        from . import tracker_runs
+
+        ids = tracker_runs.load_ids(run_dir) if start_step else {}
+        kwargs = tracker_runs.init_kwargs(run_dir, ids)
         if start_step:
             kwargs["tensorboard"] = {"purge_step": start_step}
-        accelerator.init_trackers(PROJECT, config=flat_config(config) if config else None,
-                                  init_kwargs=kwargs)
+        accelerator.init_trackers(PROJECT, init_kwargs=kwargs)
+        tracker_runs.save_ids(run_dir, accelerator.trackers)
+        self.reopened = set(ids) & set(names)
+        if config:
+            tracker_runs.store_config(accelerator.trackers, flat_config(config), bool(ids))
 
     def log(self, step: int, values: dict[str, float]) -> None:
+        """A row to metrics.jsonl and the trackers; a tracker that reopened an earlier
+        attempt's run only gets the steps it lacks (TensorBoard purges them instead)."""
         if not self.enabled:
             return
         if self.accelerator is not None:
-            self.accelerator.log(values, step=step)
+            for tracker in self.accelerator.trackers:
+                if tracker.name not in self.reopened or step > self.tracked_through:
+                    tracker.log(values, step=step)
         with open(self.path, "a") as handle:
             handle.write(json.dumps({"step": step, **values}) + "\n")
 
