@@ -4,10 +4,13 @@ metrics, profiler, watchdog), kept out of the loop itself."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 from .config import TrainConfig
 from .evals import Evaluation, PositionLoss, RecallProbe, SampleText, parse_evals
+from .instrument import LoopProbe, SystemMetrics
+from .profiling import ProfileSteps, parse_steps
 
 VAL_STORY_SEED_OFFSET = 1_000_003  # the built-in corpus's validation stories (storygen)
 
@@ -39,12 +42,20 @@ def build_evaluations(cfg: TrainConfig, tokenizer: Any, main: bool = True) -> li
     return out
 
 
-def build_hooks(cfg: TrainConfig, tokenizer: Any, main: bool = True) -> list[Any]:
-    """Every hook ``cfg`` asks for, in the order they run after each step."""
+def build_hooks(cfg: TrainConfig, tokenizer: Any, main: bool = True,
+                probe: LoopProbe | None = None, rank: int = 0) -> list[Any]:
+    """Every hook ``cfg`` asks for, in the order they run after each step; ``probe`` (the
+    run's batches wrapped in a :class:`LoopProbe`) is needed by the system metrics and the
+    profiler."""
     from .eval_hook import EvalHook
 
     hooks: list[Any] = []
+    steps = parse_steps(cfg.profile_steps)
+    if probe is not None and steps is not None and cfg.run_dir:
+        hooks.append(ProfileSteps(steps, Path(cfg.run_dir) / "profile", rank, probe))
     evaluations = build_evaluations(cfg, tokenizer, main)
     if evaluations:
         hooks.append(EvalHook(evaluations))
+    if probe is not None and cfg.system_metrics:
+        hooks.append(SystemMetrics(probe))
     return hooks

@@ -105,6 +105,14 @@ class TrainConfig:
     # position_loss, sample, recall, lm_eval (mosaics.training.evals)
     evals: dict[str, Any] = field(default_factory=dict)
 
+    # profiles, memory and hangs (docs/training.md): a torch profiler trace of steps "a:b";
+    # data-wait time and peak memory in the metrics; a memory snapshot on out-of-memory; a
+    # watchdog that ends a stalled step or collective after watchdog_s seconds (null: off)
+    profile_steps: str | None = None
+    system_metrics: bool = True
+    oom_snapshot: bool = True
+    watchdog_s: float | None = None
+
     # final model and sample
     save_final: bool = True
     sample_prompt: str = "Once upon a time"
@@ -160,6 +168,12 @@ class TrainConfig:
         from .evals import parse_evals
 
         parse_evals(self.evals)
+        from .profiling import parse_steps
+
+        parse_steps(self.profile_steps)
+        if self.watchdog_s is not None and self.watchdog_s <= 0:
+            raise ConfigError(f"watchdog_s must be positive seconds or null (off), got "
+                              f"{self.watchdog_s}.")
 
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per optimizer step on each process.

@@ -23,6 +23,8 @@ from ..errors import ConfigError
 from .build import as_hf_tokenizer, build_model, special_token_ids
 from .components import build_hooks
 from .config import TrainConfig, save_config
+from .instrument import LoopProbe
+from .oom import oom_guard
 from .rundir import RunLock, prepare_run_dir
 from .signals import EXIT_PREEMPTED, RunPreempted
 from .trainer import Trainer, TrainResult, count_parameters, make_accelerator
@@ -129,9 +131,11 @@ def _train_locked(cfg: TrainConfig, accelerator: Accelerator) -> TrainResult:
     windows = fixed_validation_windows(corpus.val_tokens, cfg.block_size, cfg.eval_windows,
                                        cfg.data_seed)
     model = build_model(cfg, len(tokenizer), **special_token_ids(tokenizer))
-    hooks = build_hooks(cfg, tokenizer, main)
-    trainer = Trainer(cfg, model, batches, validation_batches(windows, cfg.eval_batch_size * world),
+    probe = LoopProbe(batches, accelerator.gradient_accumulation_steps)
+    hooks = build_hooks(cfg, tokenizer, main, probe, accelerator.process_index)
+    trainer = Trainer(cfg, model, probe, validation_batches(windows, cfg.eval_batch_size * world),
                       hooks=hooks, accelerator=accelerator)
+    probe.attach(trainer)
     trainer.setup()
     accum = trainer.accumulation
     if main:
@@ -144,7 +148,8 @@ def _train_locked(cfg: TrainConfig, accelerator: Accelerator) -> TrainResult:
               f"global batch {cfg.batch_size * accum * world} x {cfg.block_size} = "
               f"{cfg.batch_size * accum * world * cfg.block_size} tokens per step "
               f"({accum} micro-batch(es) of {cfg.batch_size} per process)", file=sys.stderr)
-    result = trainer.fit()
+    with oom_guard(trainer, cfg.oom_snapshot):
+        result = trainer.fit()
     if result.stop_signal is not None:  # preempted: no final model, the checkpoint resumes
         trainer.close()
         where = f"checkpoint {result.checkpoint} written" if result.checkpoint else \
