@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-TRACEABLE_KERNELS = frozenset({"gaussian"})  # strict-past retrieval traced without a break
+if TYPE_CHECKING:
+    from .kernels import Kernel
 
 
 def compiling() -> bool:
@@ -28,13 +29,10 @@ def compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def kernel_traceable(kernel: Any) -> bool:
+def kernel_traceable(kernel: Kernel) -> bool:
     """Whether ``kernel``'s strict-past retrieval (``kernel(keys, values, beta)``) traces
-    without a graph break: its ``compile_traceable`` attribute, else the built-in list."""
-    flag = getattr(kernel, "compile_traceable", None)
-    if flag is not None:
-        return bool(flag)
-    return getattr(kernel, "name", None) in TRACEABLE_KERNELS
+    without a graph break (:attr:`~mosaics.kernels.Kernel.compile_traceable`)."""
+    return bool(kernel.compile_traceable)
 
 
 @torch.compiler.disable

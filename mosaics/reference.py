@@ -2,7 +2,7 @@
 
 Nothing here is fast or fused; every formula of :mod:`mosaics.memory` appears as a loop over
 positions, with the kernel's weights computed row by row from
-``kernel.row_weights`` (the softmax for the Gaussian kernel). Run it in float64::
+:meth:`~mosaics.kernels.Kernel.row_weights`. Run it in float64::
 
     model = MosaicsForCausalLM(config).double().eval()
     torch.testing.assert_close(model(ids).logits, reference_logits(model, ids))
@@ -23,8 +23,6 @@ def _unit(x: Tensor) -> Tensor:
 
 def _row_weights(mem: ContextualMemory, scores: Tensor, beta: Tensor) -> Tensor:
     """Kernel weights of one row of cosines (S,) at bandwidth beta (a scalar tensor)."""
-    if mem.kernel.name == "gaussian":
-        return torch.softmax(beta * scores, 0)
     w, index = mem.kernel.row_weights(scores.view(1, 1, 1, -1), beta.view(1, 1, 1, 1))
     if index is None:
         return w.view(-1)

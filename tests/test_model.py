@@ -353,7 +353,7 @@ def test_remote_code_loads_without_the_package(tiny_config, tmp_path):
     assert "OK (1, 14)" in res.stdout
 
 
-def test_kernel_with_forward_only_decodes_through_default_extend(tiny_config):
+def test_kernel_with_forward_only_decodes_through_default_step(tiny_config):
     """A user kernel that implements only forward still gives exact cached generation."""
     from mosaics.kernels import Kernel, register_kernel, strict_causal_mask
 

@@ -37,7 +37,7 @@ function with the same call contract (:data:`AttentionFn`) to check the mapping 
 - alpha outside (1, 2] (adasplash's solver brackets the threshold for alpha <= 2 only);
 - fp64 inputs (adasplash runs in the inputs' dtype; fp32 is the precision checked here);
 - a head size above 256.
-Decoding (``extend``) never comes here: it keeps the kernels' own row solvers.
+Decoding (``step``) never comes here: it keeps the kernels' own row solvers.
 """
 
 from __future__ import annotations
@@ -48,12 +48,16 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
 from ..ops.entmax import work_dtype
+
+if TYPE_CHECKING:
+    from .entmax_kernel import EntmaxKernel
 
 ENV_SWITCH = "MOSAICS_ADASPLASH"  # "0" keeps the chunked path everywhere
 HEAD_DIMS = (16, 32, 64, 128, 256)  # head sizes adasplash's kernels are compiled for
@@ -138,15 +142,15 @@ def available() -> bool:
     return disabled_reason() is None
 
 
-def skip_reason(kernel: torch.nn.Module, keys: Tensor, values: Tensor) -> str | None:
+def skip_reason(kernel: EntmaxKernel, keys: Tensor, values: Tensor) -> str | None:
     """Why the fused path does not serve this call of an alpha-entmax kernel, or None when
-    it does. ``kernel`` needs ``alpha`` and may set ``use_adasplash = False``."""
+    it does (``kernel.use_adasplash = False`` keeps it off)."""
     if BACKEND is None and keys.device.type != "cuda":  # the common CPU case, decided first
         return f"inputs on {keys.device.type}; adasplash needs CUDA"
     reason = _switched_off()
     if reason is not None:
         return reason
-    if not getattr(kernel, "use_adasplash", True):
+    if not kernel.use_adasplash:
         return "disabled on this kernel (use_adasplash = False)"
     if BACKEND is None:
         reason = disabled_reason()

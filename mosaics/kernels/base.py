@@ -37,6 +37,7 @@ class Kernel(nn.Module):
 
     name: str = ""
     dropout: float = 0.0
+    compile_traceable: bool = False  # forward traces under torch.compile without a graph break
     chunk_elements: int = 2**21  # target size of one (B, H, rows, columns) block of attend()
     regularization_weight: float = 0.0  # weight of regularization() in the training loss
 
@@ -56,9 +57,10 @@ class Kernel(nn.Module):
         """
         raise NotImplementedError
 
-    def memory_of(self, keys: Tensor, values: Tensor) -> KernelMemory:
+    def memory_of(self, keys: Tensor, values: Tensor, beta: Tensor) -> KernelMemory:
         """The decoding memory holding (B, H, m, hs) entries, answering no query (the prompt's
-        entries, for :meth:`step` to continue)."""
+        entries, for :meth:`step` to continue); beta (H,): the bandwidths of the prompt's
+        forward (a kernel that keeps running sums of features needs them)."""
         return KernelMemory(keys[:, :, :0], values[:, :, :0]).append(keys, values)
 
     def step(self, memory: KernelMemory, queries: Tensor, keys: Tensor, values: Tensor,
@@ -158,6 +160,30 @@ class Kernel(nn.Module):
                          mask: Tensor) -> tuple[Tensor, Tensor]:
         """(d cos, d beta summed to beta's shape) given the weights p and their gradient dp."""
         raise NotImplementedError(f"kernel {self.name!r} has no score normalizer")
+
+    @classmethod
+    def has_weights(cls) -> bool:
+        """Whether the kernel gives its normalizer as :meth:`weights` with
+        :meth:`weights_backward` (then it has :meth:`row_weights`, and position biases apply
+        to its scores): every built-in kernel but FSKA, whose weights are feature maps."""
+        return (cls.weights is not Kernel.weights
+                and cls.weights_backward is not Kernel.weights_backward)
+
+    def row_weights(self, cos: Tensor, beta: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The weights of one decoding row (no gradients; the reference model's rows too).
+
+        (B, H, 1, S) cosines of one query that sees all S >= 1 entries, (1, H, 1, 1)
+        bandwidth -> (weights, None) over all S entries, or (weights, index) over the c
+        entries ``index`` (B, H, 1, c) when all others have weight 0. Default: :meth:`weights`
+        with an all-true mask (NotImplementedError without a score normalizer).
+        """
+        mask = torch.ones(1, cos.shape[-1], dtype=torch.bool, device=cos.device)
+        return self.weights(cos, beta, mask), None
+
+    def decode_row(self, query: Tensor, keys: Tensor, values: Tensor, beta: Tensor) -> Tensor:
+        """One decoding query (B, H, 1, hs) over all S entries (B, H, S, hs), beta (H,),
+        without gradients. Default: :func:`decode_row` (:meth:`row_weights` times V)."""
+        return decode_row(self, query, keys, values, beta)
 
     def regularization(self) -> Tensor | None:
         """An extra training loss term of this kernel (e.g. FSKA's KL), or None."""

@@ -32,6 +32,8 @@ from .base import Kernel, batched_rows, extend_mask, register_kernel, work_preci
 class GaussianKernel(Kernel):
     """Softmax attention over the strict past (the reference Memory Mosaics kernel)."""
 
+    compile_traceable = True
+
     def __init__(self, causal_block: int = 128) -> None:
         super().__init__()
         if isinstance(causal_block, bool) or not isinstance(causal_block, int) or causal_block < 0:
@@ -61,6 +63,14 @@ class GaussianKernel(Kernel):
         dz = p * (dp - (p * dp).sum(dim=-1, keepdim=True))
         return dz * beta, (dz * cos.masked_fill(~mask, 0.0)).sum_to_size(beta.shape)
 
+    def row_weights(self, cos: Tensor, beta: Tensor) -> tuple[Tensor, None]:
+        """softmax(beta * cos) over all S entries of one decoding row."""
+        return torch.softmax(cos * beta, dim=-1), None
+
+    def decode_row(self, query: Tensor, keys: Tensor, values: Tensor, beta: Tensor) -> Tensor:
+        """:func:`decode_softmax`."""
+        return decode_softmax(query, keys, values, beta)
+
     def step(self, memory: KernelMemory, queries: Tensor, keys: Tensor, values: Tensor,
              beta: Tensor, lo: Tensor | None = None, hi: Tensor | None = None,
              base: int = 0) -> tuple[Tensor, KernelMemory]:
@@ -69,7 +79,7 @@ class GaussianKernel(Kernel):
         state = memory.append(keys, values)
         n, total = queries.shape[2], len(state)
         if n == 1:
-            return decode_softmax(queries, state.keys, state.values, beta), state
+            return self.decode_row(queries, state.keys, state.values, beta), state
         mask = extend_mask(n, total - keys.shape[2], keys.shape[2], queries.device)
         H = queries.shape[1]
         scores = (queries.float() @ state.keys.float().transpose(-1, -2)) * beta.view(1, H, 1, 1)

@@ -46,10 +46,7 @@ def alibi_slopes(n_head: int) -> Tensor:
 def supports_score_bias(kernel: Kernel) -> bool:
     """Whether ``kernel`` exposes its normalizer as ``weights(cos, beta, mask)`` with
     ``weights_backward`` (every built-in kernel but FSKA, whose weights are feature maps)."""
-    cls = type(kernel)
-    return (getattr(cls, "weights", Kernel.weights) is not Kernel.weights
-            and getattr(cls, "weights_backward", Kernel.weights_backward)
-            is not Kernel.weights_backward)
+    return kernel.has_weights()
 
 
 def biased_retrieval(kernel: Kernel, queries: Tensor, keys: Tensor, values: Tensor,

@@ -36,7 +36,7 @@ from ..ops.score_retrieval import (
     score_retrieval,
 )
 from ..ops.triton_backend import fused_expected, fused_reason, note_path
-from .base import Kernel, decode_row
+from .base import Kernel
 
 CHUNK_ELEMENTS = 2**21  # target size of one (B, H, rows, keys) fp32 block, ~8 MB
 FUSED_MAX_HEAD = 128  # largest head or value size of the fused Triton kernels
@@ -66,19 +66,6 @@ class ScoreKernel(Kernel):
         """(B, H, n, S) cosines, (1, H, 1, 1) or per-row (B or 1, H, n, 1) bandwidth, (n, S) or
         (B or 1, 1, n, S) mask -> (B, H, n, S) weights."""
         return self.score_weights(cos * beta, mask)
-
-    def row_weights(self, cos: Tensor, beta: Tensor) -> tuple[Tensor, Tensor | None]:
-        """Decoding: (B, H, 1, S) cosines of one query row that sees all S >= 1 entries,
-        (1, H, 1, 1) bandwidth -> (weights, None) over all S entries, or (weights, index)
-        over the c entries ``index`` (B, H, 1, c) when all others have weight 0. Default:
-        :meth:`weights` with an all-true mask."""
-        mask = torch.ones(1, cos.shape[-1], dtype=torch.bool, device=cos.device)
-        return self.weights(cos, beta, mask), None
-
-    def decode_row(self, query: Tensor, keys: Tensor, values: Tensor, beta: Tensor) -> Tensor:
-        """One decoding query (B, H, 1, hs) over all S entries, without gradients:
-        :func:`~.base.decode_row` (this kernel's :meth:`row_weights` times V)."""
-        return decode_row(self, query, keys, values, beta)
 
     def weights_backward(self, p: Tensor, dp: Tensor, cos: Tensor, beta: Tensor,
                          mask: Tensor) -> tuple[Tensor, Tensor]:
