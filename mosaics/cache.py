@@ -55,8 +55,8 @@ class FeatureSums:
         r: (B, H, M) exp map only: the per-feature running max of the keys' log g, relative
             to which S and z are kept; None for elu1.
         lo, hi: (B,) absolute positions of the first and last entry the sums hold, when they
-            cover a query's visible interval (``Kernel.attend_step``); None when they hold
-            every entry so far (the strict past, ``Kernel.extend``).
+            cover a query's visible interval (``Kernel.step`` with ``lo``, ``hi``); None when
+            they hold every entry so far (the strict past, ``Kernel.step`` without them).
     """
 
     S: Tensor
@@ -151,7 +151,7 @@ class MemoryState:
         key: (B, H, 1, hs) unit key of the last token (its entry joins with the next token).
         v_raw: (B, H, 1, hs) raw value of the last token.
         memory: the entries base .. base + len - 1 and a kernel's running sums
-            (``Kernel.memory_of``, ``Kernel.extend``, ``Kernel.attend_step``).
+            (``Kernel.memory_of``, ``Kernel.step``).
         base: absolute position of the first entry held in ``memory``.
         weights: the parameters in step form.
     """

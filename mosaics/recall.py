@@ -78,7 +78,7 @@ def recall(kernel: Kernel, queries: Tensor, keys: Tensor, values: Tensor, beta: 
         y = _whole_sequence(kernel, queries, values, beta, see.slopes)
         if not use_cache:
             return y, None, 0
-        return y, kernel.memory_of(queries[:, :, :-1], values[:, :, :-1]), 0
+        return y, kernel.memory_of(queries[:, :, :-1], values[:, :, :-1], beta), 0
     if see.slopes is None:  # decoding: query i at p0 + i sees the entries 0 .. p0 + i - 1
         y, memory = kernel.step(memory, queries, keys, values, beta)
         return y, memory, 0

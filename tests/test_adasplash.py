@@ -206,7 +206,7 @@ def test_decoding_keeps_its_own_solvers() -> None:
     backend = Recorder()
     with ab.use_backend(backend):
         full = kernel(keys, values, beta)
-        state = kernel.memory_of(keys[:, :, :10], values[:, :, :10])
+        state = kernel.memory_of(keys[:, :, :10], values[:, :, :10], beta)
         y, state = kernel.step(state, keys[:, :, 10:11], keys[:, :, 10:10],
                                  values[:, :, 10:10], beta)
     assert len(backend.calls) == 1  # the whole-sequence forward only

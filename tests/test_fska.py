@@ -333,7 +333,7 @@ def test_kernel_extend_matches_forward(positive, log_beta):
     keys, values = unit(torch.randn(1, 2, T, 4)), torch.randn(1, 2, T, 4)
     beta = torch.tensor([3.0, math.exp(log_beta)])
     full = kernel(keys, values, beta)
-    state = kernel.memory_of(keys[:, :, :0], values[:, :, :0])  # no entry: zero sums
+    state = kernel.memory_of(keys[:, :, :0], values[:, :, :0], beta)  # no entry: zero sums
     outs, pos = [], 0
     for n in (1, 4, 1, 6):
         lo, hi = max(pos - 1, 0), pos + n - 1  # positions not yet in memory, all < pos + n - 1
@@ -344,6 +344,20 @@ def test_kernel_extend_matches_forward(positive, log_beta):
     torch.testing.assert_close(torch.cat(outs, 2), full, rtol=1e-5, atol=1e-6)
     assert state.sums.S.shape == (1, 2, kernel.feature_dim, 4) and len(state) == 0
     assert state.sums.z.shape == (1, 2, kernel.feature_dim)
+
+
+@pytest.mark.parametrize("positive", ["elu1", "exp"])
+def test_memory_of_takes_its_bandwidth_not_the_last_forwards(positive):
+    torch.manual_seed(10)
+    kernel = built_kernel(2, 4, num_features=8, positive=positive, flow_hidden=8).eval()
+    perturb(kernel.flow, 0.1)
+    keys, values = unit(torch.randn(1, 2, 9, 4)), torch.randn(1, 2, 9, 4)
+    beta = torch.tensor([3.0, 5.0])
+    full = kernel(keys, values, beta)
+    kernel(keys, values, 2 * beta)  # a later forward at another bandwidth changes nothing
+    state = kernel.memory_of(keys[:, :, :7], values[:, :, :7], beta)
+    y, _ = kernel.step(state, keys[:, :, 8:9], keys[:, :, 7:8], values[:, :, 7:8], beta)
+    torch.testing.assert_close(y, full[:, :, 8:9], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("positive", ["elu1", "exp"])

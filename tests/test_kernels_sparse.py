@@ -366,7 +366,7 @@ def test_extend_equals_forward(name, dtype):
     full = kernel(keys, values, beta)
     kernel.chunk_elements = 2 * 3 * 4  # decoding also runs in several query chunks
     # prefill 4 positions (memory 0..2), then feed the rest in uneven steps, as the model does
-    state = kernel.memory_of(keys[:, :, :3], values[:, :, :3])
+    state = kernel.memory_of(keys[:, :, :3], values[:, :, :3], beta)
     torch.testing.assert_close(state.keys, keys[:, :, :3])
     outs, pos = [full[:, :, :4]], 4
     for n in (1, 3, 1, 2):
@@ -376,7 +376,7 @@ def test_extend_equals_forward(name, dtype):
         pos += n
     assert_close_per_head(torch.cat(outs, dim=2), full, atol)
     # m = n - 1: the first query sees only the existing memory
-    state = kernel.memory_of(keys[:, :, :0], values[:, :, :0])
+    state = kernel.memory_of(keys[:, :, :0], values[:, :, :0], beta)
     y, state = kernel.step(state, keys, keys[:, :, :-1], values[:, :, :-1], beta)
     assert_close_per_head(y, full, atol)
 

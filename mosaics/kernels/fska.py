@@ -124,7 +124,6 @@ class FSKAKernel(Kernel):
         self.prior: SpectralMixturePrior | None = None
         self._noise: Tensor | None = None  # training draw of the last forward
         self._kl: Tensor | None = None
-        self._beta: Tensor | None = None  # bandwidth of the last forward (for prefill_state)
         self._eval_cache: tuple[tuple, Tensor] | None = None
         self._freq_cache: tuple[Tensor, Tensor, tuple[Tensor, Tensor]] | None = None
         self.linear_intervals = linear_intervals
@@ -217,7 +216,6 @@ class FSKAKernel(Kernel):
     # -- retrieval -----------------------------------------------------------------------
     def forward(self, keys: Tensor, values: Tensor, beta: Tensor) -> Tensor:
         self._check(keys)
-        self._beta = beta.detach()
         with torch.autocast(device_type=keys.device.type, enabled=False):
             w1, w2 = self.frequencies(beta)
             x = keys.float()
@@ -517,15 +515,12 @@ class FSKAKernel(Kernel):
         return FeatureSums(sums.S * keep.unsqueeze(-1) + fk.transpose(-1, -2) @ v,
                            sums.z * keep + fk.sum(-2), r)
 
-    def memory_of(self, keys: Tensor, values: Tensor) -> KernelMemory:
+    def memory_of(self, keys: Tensor, values: Tensor, beta: Tensor) -> KernelMemory:
         """The running sums of (B, H, m, hs) entries, in fp32, at the eval frequencies and the
-        bandwidth of the last forward: S = sum_j g(k_j) v_j^T (B, H, M', hs), z = sum_j g(k_j)
+        bandwidth beta (H,): S = sum_j g(k_j) v_j^T (B, H, M', hs), z = sum_j g(k_j)
         (B, H, M'); the exp map keeps them relative to r (B, H, M), the per-feature running
         max of the keys' log g. No entry is stored."""
         self._check(keys)
-        if self._beta is None:
-            raise RuntimeError("fska memory_of needs the bandwidth of a preceding forward "
-                               "call; run the kernel's forward on the prompt first")
         B, H, _, hv = values.shape
         f = self.feature_dim
         zeros = FeatureSums(keys.new_zeros(B, H, f, hv, dtype=torch.float32),
@@ -533,7 +528,7 @@ class FSKAKernel(Kernel):
         if self.positive == "exp":
             zeros.r = torch.full((B, H, f), NO_MEMORY, device=keys.device, dtype=torch.float32)
         with torch.autocast(device_type=keys.device.type, enabled=False):
-            w1, w2 = self._eval_frequencies(self._beta)
+            w1, w2 = self._eval_frequencies(beta)
             fk, log_g = self.features(keys.float(), w1, w2)
             sums = self._add_to_sums(zeros, fk, log_g, values.float())
         return KernelMemory(keys[:, :, :0], values[:, :, :0], sums)
@@ -542,7 +537,6 @@ class FSKAKernel(Kernel):
                    beta: Tensor) -> tuple[Tensor, KernelMemory]:
         """A strict-past decoding step in O(1) features per token, at the eval frequencies."""
         self._check(queries)
-        self._beta = beta.detach()
         sums = state.sums
         n, m = queries.shape[2], keys.shape[2]
         with torch.autocast(device_type=queries.device.type, enabled=False):
