@@ -37,7 +37,7 @@ import torch
 from timing import add_clock_option, get_clock, summarize
 from transformers import GPT2LMHeadModel, PreTrainedModel
 
-from mosaics import MosaicsConfig, MosaicsForCausalLM, modeling_mosaics
+from mosaics import MosaicsConfig, MosaicsForCausalLM, modeling_mosaics, positions
 from mosaics.baselines import gpt2_config_like
 
 
@@ -69,13 +69,15 @@ def padding_cost(model: PreTrainedModel, prompt: torch.Tensor, args: argparse.Na
     ones = torch.ones_like(prompt)
     left = (torch.arange(P).view(1, P) >= (torch.arange(B) * P // (2 * B)).view(-1, 1)).long()
     no_check = lambda *a, **k: None  # noqa: E731
+    # the module whose padding_starts the model calls (older trees: modeling_mosaics)
+    padding_home = positions if hasattr(positions, "padding_starts") else modeling_mosaics
     runs = {"no check": (ones, no_check), "ones": (ones, None), "left-padded": (left, None)}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(args.repeats + 1):  # the first round warms up
         for name in list(runs) if r % 2 == 0 else list(runs)[::-1]:
             mask, check = runs[name]
-            with mock.patch.object(modeling_mosaics, "padding_starts",
-                                   check or modeling_mosaics.padding_starts):
+            with mock.patch.object(padding_home, "padding_starts",
+                                   check or padding_home.padding_starts):
                 dt, _ = timed(lambda m=mask: generate(model, prompt, args.new_tokens, False,
                                                       mask=m), clock)
             if r:

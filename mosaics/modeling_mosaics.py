@@ -19,14 +19,13 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
-from .cache import DocumentState, LayerState, MosaicsCache
-from .compilation import compiling, eager_boundary
+from .cache import LayerState, MosaicsCache
 from .configuration_mosaics import MosaicsConfig
 from .kernels import Kernel
 from .memory import AdaptiveBandwidth, ContextualMemory, ShortLongMemory
 from .ops import linear_cross_entropy
 from .persistent_memory import PersistentMemory, SwiGLUMemory
-from .positions import Positions, document_positions
+from .positions import Positions, call_positions
 from .remote_code import save_model_code
 
 
@@ -153,37 +152,6 @@ class MosaicsPreTrainedModel(PreTrainedModel):
         return out
 
 
-def padding_starts(attention_mask: Tensor | None, n: int, start: int,
-                   last_real: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
-    """Where ``attention_mask`` makes this call's n tokens (at absolute positions start ..
-    start + n - 1) begin again after padding.
-
-    ``attention_mask``: (B, n) for this call's tokens, or (B, start + n) for every token so
-    far (what ``generate`` passes); 0 marks padding. ``last_real`` (B,): whether the token
-    before this call was real, when the mask does not say (default: real). Returns None when
-    no real token follows a pad (no padding, or right padding only), else (real, begins),
-    each (B, n) bool: begins_t = real_t and not real_{t-1}."""
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() != 2 or attention_mask.shape[1] not in (n, start + n):
-        raise ValueError(
-            f"attention_mask must be (batch, tokens) with one column per token of this call "
-            f"({n}) or per token so far ({start + n}, the cache's {start} included), got "
-            f"shape {tuple(attention_mask.shape)}")
-    first = attention_mask.shape[1] - n  # column of this call's token 0
-    real = attention_mask[:, first:] != 0
-    if first > 0:  # the columns of tokens t - 1
-        previous = attention_mask[:, first - 1:-1] != 0
-    else:
-        before = (torch.ones_like(real[:, :1]) if last_real is None
-                  else last_real.view(-1, 1).to(real.device))
-        previous = torch.cat([before, real[:, :-1]], dim=1)
-    begins = real > previous  # real, after a pad
-    if not bool(begins.any()):
-        return None
-    return real, begins
-
-
 class MosaicsModel(MosaicsPreTrainedModel):
     """The backbone: embeddings, blocks, final LayerNorm."""
 
@@ -271,95 +239,12 @@ class MosaicsModel(MosaicsPreTrainedModel):
     def positions(self, input_ids: Tensor | None, document_ids: Tensor | None,
                   shape: torch.Size, cache: MosaicsCache | None, device: torch.device,
                   attention_mask: Tensor | None = None) -> Positions | None:
-        """Where the tokens of this call sit, for the v2 memory options and for padding (None
-        for v1 without padding): the absolute start (the cache length), the long-term gap
-        (drawn per batch in training) and the documents: with ``document_masking``,
-        restarting after each separator token or where ``document_ids`` change; with padding
-        (``attention_mask`` 0), at every real token that follows a pad, the pads adding
-        nothing to the leaky sums. The cache remembers the document in progress between
-        decoding calls."""
-        cfg = self.config
-        B, n = shape
-        start = 0 if cache is None else cache.seen_tokens
-        docs = cache.documents if cache is not None else None
-        padding = padding_starts(attention_mask, n, start,
-                                 None if docs is None else docs.last_real)
-        tracked = cfg.document_masking or padding is not None or docs is not None
-        seen = None  # (B,) whether a row had a real token before this call
-        if tracked:  # (assumed where nothing records it)
-            seen = (docs.seen_real if docs is not None and docs.seen_real is not None
-                    else torch.full((B,), start > 0, dtype=torch.bool, device=device))
-        if padding is not None and start > 0:
-            first = attention_mask.shape[1] - n
-            if first > 0:
-                seen = (attention_mask[:, :first] != 0).any(1).to(device)
-            real, begins = padding
-            after_real = seen.view(B, 1) | (real.long().cumsum(1) - real.long() > 0)
-            if bool((begins & after_real).any()) or (docs is None and not cfg.uses_visibility):
-                raise ValueError(
-                    "attention_mask has padding between real tokens in a call that continues "
-                    "a cache (e.g. a right-padded prompt continued by generate): left-pad the "
-                    "prompts (tokenizer.padding_side = 'left'), so that the padding of each "
-                    "row comes before its first real token, in the first call")
-        if not cfg.uses_visibility and not tracked:
-            return None
-        gap = cfg.long_term_gap
-        if self.training and cfg.long_term_gap_range is not None:
-            low, high = cfg.long_term_gap_range
-            if compiling():  # drawn eagerly (the same stream), kept a tensor: no recompiles
-                gap = eager_boundary(torch.randint, low, high + 1, ())
-            else:
-                gap = int(torch.randint(low, high + 1, ()))
-        pos = Positions(start=start, gap=gap)
-        if not tracked:
-            return pos
-        first = torch.ones(B, dtype=torch.bool, device=device)  # token 0 starts one
-        given = document_ids is not None and cfg.document_masking
-        if given:
-            document_ids = document_ids.to(device)
-            prev = None if docs is None else docs.last_id_given
-            if prev is not None:
-                first = document_ids[:, 0] != prev
-            starts = torch.cat([first[:, None], document_ids[:, 1:] != document_ids[:, :-1]], 1)
-        elif cfg.document_masking:
-            if input_ids is None or cfg.separator_id is None:
-                raise ValueError("document_masking needs the documents: pass input_ids with "
-                                 "document_separator_id (or eos_token_id) set in the config, "
-                                 "or document_ids (B, T)")
-            sep = input_ids == cfg.separator_id
-            if docs is not None and docs.last_is_separator is not None:
-                first = docs.last_is_separator
-            starts = torch.cat([first[:, None], sep[:, :-1]], dim=1)
-        else:  # documents from the padding alone; without a cache, token 0 starts one
-            starts = torch.zeros(B, n, dtype=torch.bool, device=device)
-            starts[:, 0] = start == 0
-        real = None
-        if padding is not None:
-            real, begins = padding
-            starts = starts | begins.to(device)
-            pos.keep = real.to(device)
-        ids, doc_starts = document_positions(starts, start, None if docs is None else docs.start,
-                                             None if docs is None else docs.id)
-        # the leaky sums restart at documents; padding alone needs no restart where only pads
-        # came before (they add nothing): a prompt's first real tokens, or a decoding call's
-        # token 0 (``restart`` drops the state there)
-        holes = padding is not None and bool(
-            (begins[:, 1:] if start > 0 else
-             begins & ((real.long().cumsum(1) - real.long()) > 0)).any())
-        if cfg.document_masking or given or holes:
-            pos.documents = ids
-        pos.doc_starts = doc_starts
-        pos.restart = starts[:, 0] if start > 0 else None
+        """Where the tokens of this call sit (:func:`~mosaics.positions.call_positions`); the
+        cache remembers the document in progress between decoding calls."""
+        pos, documents = call_positions(self.config, input_ids, document_ids, shape, cache,
+                                        device, attention_mask, self.training)
         if cache is not None:
-            cache.documents = DocumentState(
-                start=doc_starts[:, -1], id=ids[:, -1],
-                last_id_given=document_ids[:, -1] if given else None,
-                last_is_separator=(input_ids[:, -1] == cfg.separator_id
-                                   if cfg.document_masking and not given else None),
-                last_real=(attention_mask[:, -1].to(device) != 0 if attention_mask is not None
-                           else None if docs is None else docs.last_real),
-                seen_real=seen if attention_mask is None
-                else seen | (attention_mask[:, -n:] != 0).any(1).to(device))
+            cache.documents = documents
         return pos
 
 
