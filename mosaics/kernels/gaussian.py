@@ -91,9 +91,9 @@ class GaussianKernel(Kernel):
                lo: Tensor, hi: Tensor) -> Tensor:
         """softmax_j(beta_i cos(q_i, k_j)) over lo[i] <= j <= hi[i] (see :meth:`Kernel.attend`).
 
-        Per chunk of query rows (:func:`~.base.attend_plan`): the fused attention of the
-        scaled queries beta_i q_i against the columns the chunk sees, with a boolean mask
-        (B or 1, 1, rows, columns); see :func:`interval_softmax`. Runs in the dtype of
+        Per chunk of query rows (:func:`~mosaics.ops.intervals.attend_plan`): the fused
+        attention of the scaled queries beta_i q_i against the columns the chunk sees, with a
+        boolean mask (B or 1, 1, rows, columns); see :func:`interval_softmax`. Runs in the dtype of
         :meth:`forward` (autocast's for the fused attention), with the same dropout.
 
         Intervals 0..i+d with d <= 0 (the strict past, a gap of -d) take the causal path of

@@ -15,7 +15,7 @@ On CUDA (or with ``MOSAICS_FUSED=1``) the training / prompt retrieval and ``atte
 bandwidth per head take the fused Triton kernels of
 :func:`mosaics.ops.knn_attention.knn_attention` instead (ties at the k-th score go to the
 lowest columns there); float64, k above ``MAX_K`` (below the memory length), per-query
-bandwidths and ALiBi stay here. Decoding one row keeps :func:`~.base.decode_row`.
+bandwidths and ALiBi stay here. Decoding one row keeps :meth:`~.base.Kernel.decode_row`.
 
 Short memories (at most ``dense_keys_per_k`` x k keys and ``chunk_elements`` scores in all)
 take :func:`mosaics.ops.topk_retrieval.dense_top_k_retrieval`: the whole score matrix, one

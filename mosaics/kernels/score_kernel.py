@@ -11,7 +11,7 @@ fixed-bandwidth ReLU) subclass :class:`PowerKernel` instead, whose tiled retriev
 weights, their backward and the GEMMs per tile of query rows
 (:func:`~mosaics.ops.score_retrieval.power_retrieval`; the Triton kernel of
 :func:`~mosaics.ops.power_attention.power_attention` where the fused path serves the call).
-A decoding step that sees the whole memory takes :func:`~.base.decode_row`.
+A decoding step that sees the whole memory takes :meth:`Kernel.decode_row`.
 """
 
 from __future__ import annotations
@@ -155,7 +155,8 @@ class ScoreKernel(Kernel):
     def interval_tiles(self, lo: Tensor, hi: Tensor, S: int, batch: int,
                        heads: int) -> Callable[..., _Tiles]:
         """The ``tiles`` argument of :meth:`tiled` for the intervals lo[i] <= j <= hi[i] over
-        S entries (row chunks of :func:`~.base.attend_plan`, at most TILE_ROWS rows)."""
+        S entries (row chunks of :func:`~mosaics.ops.intervals.attend_plan`, at most
+        TILE_ROWS rows)."""
         plan = attend_plan(lo, hi, S, batch * heads, self.chunk_elements, max_rows=TILE_ROWS)
 
         def tiles(q: Tensor, k: Tensor, v: Tensor, n_buffers: int) -> _Tiles:

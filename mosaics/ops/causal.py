@@ -186,7 +186,7 @@ def interval_attention(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor,
                        plan: list[tuple[int, int, int, int]]) -> Tensor | None:
     """softmax_j(q_i . k_j) v over lo[i] <= j <= hi[i] for (B, H, n, hs) q, (B, H, S, hs) k,
     (B, H, S, hv) v and (B or 1, n) integer bounds; rows that see nothing (and rows outside
-    the ``plan`` of row chunks, see ``kernels.base.attend_plan``) are 0.
+    the ``plan`` of row chunks, see ``ops.intervals.attend_plan``) are 0.
 
     The fused CPU form of a per-chunk masked ``scaled_dot_product_attention``: the same
     result, with O(n) memory saved for backward and the key and value gradients accumulated
