@@ -1,39 +1,53 @@
-"""One command to check a GPU machine: CUDA tests, throughput, kernel speed, DeepSpeed, memory.
+"""One command to check a GPU machine, answering within about 10 minutes whatever happens.
 
-    python bench/gpu_check.py                          # on a CUDA machine, under 10 minutes
+    python bench/gpu_check.py                          # on a CUDA machine, ~10 minutes
+    python bench/gpu_check.py --dry-run                # every kernel section, tiny, on CPU
     python bench/gpu_check.py --device cpu --quick     # smoke run of every section on CPU
 
-Each section runs in its own process with a time limit (``BUDGETS``, 600 s in all; change
-them with ``--budget throughput=300``): a section past its limit is stopped with its process
-group, recorded with what it left (``timed_out``, the rows so far) and the next one starts.
+Each section runs in its own process with a time limit (``BUDGETS``, changed with
+``--budget kernels_bf16=200``), capped by what is left of ``--total-budget`` (600 s): a
+section past its limit is stopped with its process group and recorded (``timed_out``), and
+the next one starts. In order:
 
-1. ``tests``: ``pytest -m cuda`` (kernels on CUDA against the CPU reference, bf16 training
-   steps, cached generation, the compiled step, the chunked loss under autocast, DeepSpeed on
-   one GPU), one line per test in ``<out>/cuda_tests.log``.
-2. ``throughput``: training tokens/s of Memory Mosaics against a GPT-2 of the same size with
-   SDPA at the 124M shape (12 layers, d 768, 12 heads, vocabulary 50304), bf16 autocast, 16384
-   tokens a step, T 512, 2048 and 8192, both models eager and both ``torch.compile``d (like
-   against like), with MFU (model FLOPs per token of :mod:`mosaics.training.flops` against the
-   device's peak), peak memory and the first step's time (the compile); the two models
-   alternate step by step. Rows go to ``<out>/throughput_rows.json`` as they are measured.
-3. ``kernels``: contextual-memory forward + backward time of every kernel against ``gaussian``
-   at T 1k, 4k, 16k (B 1, H 12, head size 64), fp32 and bf16, with the peak memory above the
-   inputs, the first call's cost apart (Triton compiles) and the path each kernel took
-   (``fused``, or ``chunked: <why>``; ``MOSAICS_FUSED=1 ... --device cpu --quick`` runs the
-   fused kernels under Triton's interpreter). Where the ``adasplash`` package serves an
-   alpha-entmax kernel, its time and its largest difference to the project's path too.
-4. ``deepspeed``: ``train.py`` with the 124M recipe on the bundled story corpus under
-   DeepSpeed ZeRO-2 bf16 on one GPU for 200 steps with a checkpoint at step 100, then resumed
-   from it; the resumed losses must equal the uninterrupted ones. Tokens/s and MFU from the
-   run's metrics.jsonl.
+1. ``tests``: ``pytest -m cuda`` (kernels on CUDA against the CPU reference, the bf16 fused
+   tests, bf16 training steps, cached generation, ...), one line per test in
+   ``<out>/cuda_tests.log``.
+2. ``warm``: every fused Triton variant (kernel x dtype, FSKA's op) run once at a small T in
+   parallel processes, so that Triton's on-disk cache holds each compile before any timing.
+3. ``kernels_bf16``: contextual-memory forward + backward of every kernel at T 4096 and
+   16384 in bf16 (B 1, H 12, head size 64), against the Gaussian kernel, whose bf16 rows run
+   PyTorch's SDPA (its default choice, and flash and cuDNN forced): the baseline. Per row the
+   path taken (``fused``, ``chunked: <why>``, ``sdpa``), the first call's cost apart and the
+   peak memory above the inputs. epanechnikov_fixed gets clustered keys (non-empty
+   supports at beta e^2; random unit keys never reach its cosine 0.865); FSKA is timed in
+   eval mode (fixed frequencies), in training mode (the flow's sampling included) and as its
+   fused op alone on fixed features.
+4. ``adasplash``: the ``adasplash`` package's alpha-entmax kernels (where installed), with
+   its autotuning cut to a few configurations, and their largest difference to ours.
+5. ``golden``: 50 training steps of a tiny model per kernel (bf16 autocast, fused kernels)
+   against the stored CPU float32 curve of the same seed (``bench/golden_losses.py``,
+   ``bench/golden/``) within its stated tolerance.
+6. ``kernels_fp32``: the kernels in fp32 at T 1024 and 4096 (ratios against the bf16
+   baseline in the final table).
+7. ``throughput``: training tokens/s of Memory Mosaics against a GPT-2 of the same size with
+   SDPA at the 124M shape, bf16 autocast, eager and ``torch.compile``d, with MFU.
+8. ``deepspeed``: ``train.py`` under DeepSpeed ZeRO-2 bf16 on one GPU, checkpointed half way
+   and resumed; the resumed losses must equal the uninterrupted ones.
 
-Writes ``<out>/gpu_check.json`` (after every section) and prints a table per section.
+Every row is appended to ``<out>/rows.jsonl`` (flushed) as soon as it is measured, so a
+stopped section keeps its rows; ``<out>/gpu_check.json`` is written after every section. The
+run ends with one table (``<out>/table.md``): kernel x T x dtype, time, ratio to the
+Gaussian bf16 baseline, path taken, first-call cost; and the golden-loss verdicts.
+(``--sections kernels`` is the single section of every length and dtype in one process.)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
+import math
 import os
 import signal
 import statistics
@@ -43,12 +57,15 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
+ROWS_FILE = "rows.jsonl"
 
 
 def sync(device: str) -> None:
@@ -69,6 +86,32 @@ def autocast(device: str, dtype: torch.dtype | None):  # noqa: ANN201
     if dtype is None:
         return torch.autocast("cpu", enabled=False)
     return torch.autocast(device.split(":")[0], dtype=dtype)
+
+
+def emit(args: argparse.Namespace, section: str, row: dict[str, Any]) -> None:
+    """Append one measured row to ``<out>/rows.jsonl``, flushed to disk at once."""
+    out = getattr(args, "out", None)
+    if out is None:
+        return
+    path = Path(out) / ROWS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        handle.write(json.dumps({"section": section, **row}, default=str) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def error_text(err: BaseException, width: int = 160) -> str:
+    text = str(err).splitlines()[0][:width] if str(err) else ""
+    return f"{type(err).__name__}: {text}"
+
+
+def bench_module(name: str) -> ModuleType:
+    """bench/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # --- 1. CUDA tests -----------------------------------------------------------------------
@@ -189,12 +232,12 @@ def throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
         try:
             pair = measure_pair(T, mode, args)
         except Exception as err:  # noqa: BLE001 - recorded, the next pair still runs
-            pair = [{"T": T, "mode": mode, "error": f"{type(err).__name__}: "
-                     f"{str(err).splitlines()[0][:200] if str(err) else ''}"}]
+            pair = [{"T": T, "mode": mode, "error": error_text(err, 200)}]
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
         rows.extend(pair)
         for r in pair:
+            emit(args, "throughput", r)
             print_throughput_row(r)
         write_json(Path(args.out) / "throughput_rows.json", rows)
     return rows
@@ -213,11 +256,83 @@ def print_throughput_row(r: dict[str, Any]) -> None:
 
 # --- 3. kernels ----------------------------------------------------------------------------
 
+BETA = 7.39  # e^2: the memory's initial bandwidth
+KERNEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ENTMAX_KERNELS = ("epanechnikov", "biweight", "triweight", "entmax")
+
+
+def check_keys(T: int, H: int, hs: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The check's inputs: unit random keys and random values (1, H, T, hs), CPU fp32."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    keys = torch.nn.functional.normalize(torch.randn(1, H, T, hs, generator=g), dim=-1)
+    return keys, torch.randn(1, H, T, hs, generator=g)
+
+
+def clustered_keys(T: int, H: int, hs: int, clusters: int = 64, spread: float = 0.3,
+                   seed: int = 0) -> torch.Tensor:
+    """Unit keys (1, H, T, hs) around ``clusters`` random centres, each position in a random
+    one: cosines ~0.9 within a cluster, so that epanechnikov_fixed's support
+    (cos > 1 - 1 / beta = 0.865 at beta e^2) holds about T / clusters entries per row."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.nn.functional.normalize(torch.randn(1, H, clusters, hs, generator=g), dim=-1)
+    which = torch.randint(0, clusters, (1, H, T), generator=g)
+    noise = torch.randn(1, H, T, hs, generator=g) * (spread / math.sqrt(hs))
+    picked = torch.gather(centres, 2, which.unsqueeze(-1).expand(-1, -1, -1, hs))
+    return torch.nn.functional.normalize(picked + noise, dim=-1)
+
+
+class SdpaBaseline(torch.nn.Module):
+    """The Gaussian kernel's retrieval as one ``scaled_dot_product_attention`` call on one
+    forced backend (``flash`` or ``cudnn``): queries k_1.. times beta against keys k_0..,
+    causal (the strict past), scale 1."""
+
+    def __init__(self, backend: str) -> None:
+        super().__init__()
+        self.backend = backend
+
+    def forward(self, keys: torch.Tensor, values: torch.Tensor,
+                beta: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        choice = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+        q = keys[:, :, 1:] * beta.view(1, -1, 1, 1).to(keys.dtype)
+        with sdpa_kernel([choice[self.backend]]):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, keys[:, :, :-1], values[:, :, :-1], is_causal=True, scale=1.0)
+
+
+class FeatureOp(torch.nn.Module):
+    """FSKA's fused op alone: :func:`mosaics.ops.causal_linear_attention` on fixed random
+    features (B, H, T, ``features``) in the keys' dtype (no frequencies, no feature map)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.features = features
+        self.feats: torch.Tensor | None = None
+        self.path = "?"
+
+    def forward(self, keys: torch.Tensor, values: torch.Tensor,
+                beta: torch.Tensor) -> torch.Tensor:
+        from mosaics.ops import causal_linear_attention
+        from mosaics.ops.linear_attention import linear_attention_unsupported
+        from mosaics.ops.triton_backend import fused_reason
+
+        B, H, T, _ = keys.shape
+        if self.feats is None or self.feats.shape[2] != T:
+            g = torch.Generator().manual_seed(1)
+            self.feats = torch.rand(B, H, T, self.features, generator=g).to(keys.device,
+                                                                            keys.dtype)
+        f = self.feats.detach().requires_grad_(keys.requires_grad)
+        why = fused_reason(f, values) or linear_attention_unsupported(f, None, values)
+        self.path = "fused" if why is None else f"chunked: {why}"
+        return causal_linear_attention(f, None, values)
+
+
 def time_kernel(kernel: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor,
                 beta: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
     """Forward + backward of one kernel on (keys, values, beta): median ms over the repeats,
-    the first call's seconds apart (Triton compiles, autotuning, caches), and the peak memory
-    above the inputs (MB, CUDA only)."""
+    the first call's seconds apart (Triton compiles or cache loads, autotuning), and the peak
+    memory above the inputs (MB, CUDA only)."""
     times = []
     base = torch.cuda.memory_allocated() if args.device.startswith("cuda") else 0
     for _ in range(args.kernel_warmup + args.kernel_repeats):
@@ -272,53 +387,97 @@ def adasplash_row(kernel: torch.nn.Module, keys: torch.Tensor, values: torch.Ten
             "adasplash_max_abs_diff": diff}
 
 
-KERNEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+def kernel_plan(args: argparse.Namespace, dname: str) -> list[tuple[str, str | None]]:
+    """(kernel, variant) rows of one length and dtype, the Gaussian baselines first: the
+    kernel (SDPA's own backend choice) and, on CUDA in bf16, flash and cuDNN forced; FSKA in
+    eval mode, then ``train`` (the flow's sampling included) and ``op`` (its fused op)."""
+    from mosaics import available_kernels
+
+    wanted = getattr(args, "kernels", None) or available_kernels()
+    plan: list[tuple[str, str | None]] = [("gaussian", None)]
+    if args.device.startswith("cuda") and dname != "fp32":
+        plan += [("gaussian", "sdpa-flash"), ("gaussian", "sdpa-cudnn")]
+    for name in [k for k in available_kernels() if k != "gaussian" and k in wanted]:
+        plan.append((name, None))
+        if name == "fska":
+            plan += [("fska", "train"), ("fska", "op")]
+    return plan
 
 
-def kernel_speed(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every registered kernel's forward + backward against ``gaussian`` (B 1, H heads of
-    ``hs``), per dtype and length, with the path it took, its first-call cost and its peak
-    memory; rows print as they are measured, so a run stopped at its limit keeps them."""
-    from mosaics import available_kernels, get_kernel
+def build_kernel(name: str, variant: str | None, H: int, hs: int,
+                 device: str) -> torch.nn.Module:
+    from mosaics import get_kernel
+
+    if variant is not None and variant.startswith("sdpa-"):
+        return SdpaBaseline(variant.removeprefix("sdpa-"))
+    if variant == "op":
+        return FeatureOp(2 * get_kernel("fska").num_features)
+    kernel = get_kernel(name)
+    kernel.build(H, hs)
+    kernel = kernel.to(device)
+    return kernel.train(variant == "train") if name == "fska" else kernel
+
+
+def kernel_speed(args: argparse.Namespace, lengths: list[int] | None = None,
+                 dtypes: list[str] | None = None, section: str = "kernels"
+                 ) -> list[dict[str, Any]]:
+    """Every kernel's forward + backward against ``gaussian`` (B 1, H heads of ``hs``), per
+    length and dtype (lengths outermost), with the path it took, its first-call cost and its
+    peak memory; rows print and go to ``rows.jsonl`` as they are measured. The alpha-entmax
+    rows say why ``adasplash`` does not apply, or (unless ``args.adasplash_inline`` is
+    False: the ``adasplash`` section times it) time it too."""
     from mosaics.kernels import EntmaxKernel
 
     H, hs = args.kernel_heads, args.kernel_head_size
+    inline = getattr(args, "adasplash_inline", True)
     rows = []
-    print(f"{'dtype':>5} {'T':>6} {'kernel':>20} {'fwd+bwd ms':>11} {'vs gaussian':>12} "
+    print(f"{'dtype':>5} {'T':>6} {'kernel':>24} {'fwd+bwd ms':>11} {'vs gaussian':>12} "
           f"{'peak MB':>9} {'1st call s':>10}  path", flush=True)
-    for T in args.kernel_lengths:  # every dtype of one length before the next length
-        for dname in args.kernel_dtypes:
+    for T in lengths or args.kernel_lengths:
+        for dname in dtypes or args.kernel_dtypes:
             dtype = KERNEL_DTYPES[dname]
-            g = torch.Generator(device="cpu").manual_seed(0)
-            keys = torch.nn.functional.normalize(torch.randn(1, H, T, hs, generator=g), dim=-1)
-            values = torch.randn(1, H, T, hs, generator=g)
+            keys, values = check_keys(T, H, hs)
             keys, values = keys.to(args.device, dtype), values.to(args.device, dtype)
-            beta = torch.full((H,), 7.39, device=args.device)
+            clustered = clustered_keys(T, H, hs).to(args.device, dtype)
+            beta = torch.full((H,), BETA, device=args.device)
             base = None
-            for name in ["gaussian"] + [k for k in available_kernels() if k != "gaussian"]:
+            for name, variant in kernel_plan(args, dname):
                 row: dict[str, Any] = {"dtype": dname, "T": T, "kernel": name}
+                if variant:
+                    row["variant"] = variant
+                k_in = clustered if name == "epanechnikov_fixed" else keys
+                if name == "epanechnikov_fixed":
+                    row["keys"] = "clustered"
                 try:
-                    kernel = get_kernel(name)
-                    kernel.build(H, hs)
-                    kernel.to(args.device)
-                    row.update(time_kernel(kernel, keys, values, beta, args))
-                    row["path"] = kernel_path(name)
-                    if name == "gaussian":
+                    kernel = build_kernel(name, variant, H, hs, args.device)
+                    row.update(time_kernel(kernel, k_in, values, beta, args))
+                    row["path"] = (kernel.path if isinstance(kernel, FeatureOp) else
+                                   variant if isinstance(kernel, SdpaBaseline) else
+                                   kernel_path(name))
+                    if name == "gaussian" and base is None:
                         base = row["ms"]
                     row["vs_gaussian"] = row["ms"] / base if base else None
                     if isinstance(kernel, EntmaxKernel):
-                        row.update(adasplash_row(kernel, keys, values, beta, args))
+                        if inline:
+                            row.update(adasplash_row(kernel, keys, values, beta, args))
+                        else:
+                            from mosaics.kernels import adasplash_backend
+
+                            reason = adasplash_backend.skip_reason(kernel, keys, values)
+                            row["adasplash"] = reason or "timed in the adasplash section"
                 except Exception as err:  # out of memory at 16k, a kernel without a path...
-                    row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+                    row["error"] = error_text(err, 120)
                     if args.device.startswith("cuda"):
                         torch.cuda.empty_cache()
                 rows.append(row)
+                emit(args, section, row)
                 print_kernel_row(row)
     return rows
 
 
 def print_kernel_row(r: dict[str, Any]) -> None:
-    head = f"{r['dtype']:>5} {r['T']:>6} {r['kernel']:>20}"
+    name = r["kernel"] + (f" ({r['variant']})" if r.get("variant") else "")
+    head = f"{r['dtype']:>5} {r['T']:>6} {name:>24}"
     if "error" in r:
         print(f"{head}  {r['error']}", flush=True)
         return
@@ -331,6 +490,212 @@ def print_kernel_row(r: dict[str, Any]) -> None:
                  f"{r['adasplash_max_abs_diff']:.1e}")
     print(f"{head} {r['ms']:>11.2f} {ratio:>12} {peak:>9} {r['first_call_s']:>10.2f}  "
           f"{r['path']}{extra}", flush=True)
+
+
+def kernels_bf16(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The kernels in bf16 (fp32 without CUDA) at ``--bf16-lengths``, AdaSplash apart."""
+    args.adasplash_inline = False
+    dtype = "bf16" if args.device.startswith("cuda") else "fp32"
+    return kernel_speed(args, args.bf16_lengths, [dtype], "kernels_bf16")
+
+
+def kernels_fp32(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The kernels in fp32 at ``--fp32-lengths``, AdaSplash apart."""
+    args.adasplash_inline = False
+    return kernel_speed(args, args.fp32_lengths, ["fp32"], "kernels_fp32")
+
+
+# --- warm: every Triton variant compiled once, in parallel ---------------------------------
+
+def warm_jobs(args: argparse.Namespace) -> list[str]:
+    """``kernel:dtype`` of every variant the timed sections run (FSKA's op as ``fska-op``);
+    the Gaussian kernel has nothing to compile."""
+    from mosaics import available_kernels
+
+    wanted = getattr(args, "kernels", None) or available_kernels()
+    names = [k for k in available_kernels() if k != "gaussian" and k in wanted]
+    if "fska" in names:
+        names.append("fska-op")
+    jobs = [f"{n}:{d}" for d in args.warm_dtypes for n in names]
+    return jobs[:args.warm_limit] if args.warm_limit else jobs
+
+
+def warm_one(spec: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One variant's forward + backward at ``--warm-length`` (run in a child process); FSKA
+    in training mode, then in eval mode."""
+    name, _, dname = spec.partition(":")
+    dtype = KERNEL_DTYPES[dname]
+    keys, values = check_keys(args.warm_length, 2, args.kernel_head_size)
+    keys, values = keys.to(args.device, dtype), values.to(args.device, dtype)
+    beta = torch.full((2,), BETA, device=args.device)
+    t0 = time.perf_counter()
+    variants = {"fska-op": [("fska", "op")], "fska": [("fska", "train"), ("fska", None)]}
+    paths = []
+    for kname, variant in variants.get(name, [(name, None)]):
+        kernel = build_kernel(kname, variant, 2, args.kernel_head_size, args.device)
+        k, v = keys.detach().requires_grad_(), values.detach().requires_grad_()
+        kernel(k, v, beta).float().square().sum().backward()
+        sync(args.device)
+        paths.append(kernel.path if isinstance(kernel, FeatureOp) else kernel_path(kname))
+    return {"kernel": name, "dtype": dname, "warm_s": time.perf_counter() - t0,
+            "path": paths[-1]}
+
+
+def warm(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every variant of :func:`warm_jobs` in its own process, ``--warm-workers`` at a time,
+    all stopped at ``args.warm_timeout`` seconds: Triton's cache is on disk and shared, so
+    the timed sections find every kernel compiled."""
+    jobs = warm_jobs(args)
+    folder = Path(args.out) / "warm"
+    folder.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.warm_timeout
+    running: dict[str, tuple[subprocess.Popen, float]] = {}
+    rows = []
+    print(f"{len(jobs)} variants, {args.warm_workers} at a time, T {args.warm_length}",
+          flush=True)
+    while jobs or running:
+        while jobs and len(running) < args.warm_workers and time.monotonic() < deadline:
+            spec = jobs.pop(0)
+            name = spec.replace(":", "-")
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--device", args.device,
+                   "--warm-one", spec, "--warm-length", str(args.warm_length),
+                   "--out", str(folder / f"{name}.json")]
+            with open(folder / f"{name}.log", "w") as log:
+                proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+            running[spec] = (proc, time.monotonic())
+        if jobs and time.monotonic() >= deadline:
+            for spec in jobs:
+                row = {"kernel": spec.split(":")[0], "dtype": spec.split(":")[1],
+                       "error": "not started: the section's time is up"}
+                rows.append(row)
+                emit(args, "warm", row)
+            jobs = []
+        for spec, (proc, t0) in list(running.items()):
+            kernel, _, dname = spec.partition(":")
+            if proc.poll() is None and time.monotonic() < deadline:
+                continue
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                row = {"kernel": kernel, "dtype": dname, "error": "stopped at the limit",
+                       "warm_s": time.monotonic() - t0}
+            else:
+                result = folder / f"{spec.replace(':', '-')}.json"
+                row = (json.loads(result.read_text()) if result.exists() else
+                       {"kernel": kernel, "dtype": dname,
+                        "error": f"status {proc.returncode}; see {result.with_suffix('.log')}"})
+            del running[spec]
+            rows.append(row)
+            emit(args, "warm", row)
+            print(f"{row['kernel']:>20} {row['dtype']:>5} "
+                  + (f"{row['warm_s']:6.1f} s  {row['path']}" if "error" not in row
+                     else row["error"]), flush=True)
+        time.sleep(0.05)
+    return rows
+
+
+# --- adasplash: timed apart, with a short autotune ------------------------------------------
+
+def trim_autotune(max_configs: int) -> int:
+    """Cut every Triton autotuner of the imported ``adasplash`` modules to its first
+    ``max_configs`` configurations and shorter benchmarks; returns how many it changed."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        return 0
+    changed = 0
+    for mod_name, module in list(sys.modules.items()):
+        if not mod_name.startswith("adasplash") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, Autotuner):
+                value.configs = value.configs[:max_configs]
+                for attr, short in (("num_warmups", 5), ("num_reps", 20)):
+                    if getattr(value, attr, None) is not None:
+                        setattr(value, attr, short)
+                changed += 1
+    return changed
+
+
+def adasplash_section(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """AdaSplash's kernels for the alpha-entmax kernels at ``--adasplash-lengths`` (bf16
+    inputs: AdaSplash computes in fp32 here), against the project's own path."""
+    from mosaics.kernels import adasplash_backend
+
+    if adasplash_backend.disabled_reason() is None:
+        with contextlib.suppress(ImportError):
+            import adasplash  # noqa: F401
+    trimmed = trim_autotune(args.adasplash_configs)
+    print(f"autotuners cut to {args.adasplash_configs} configurations: {trimmed}", flush=True)
+    H, hs = args.kernel_heads, args.kernel_head_size
+    dname = "bf16" if args.device.startswith("cuda") else "fp32"
+    rows = []
+    for T in args.adasplash_lengths:
+        keys, values = check_keys(T, H, hs)
+        keys, values = (x.to(args.device, KERNEL_DTYPES[dname]) for x in (keys, values))
+        beta = torch.full((H,), BETA, device=args.device)
+        for name in ENTMAX_KERNELS:
+            row: dict[str, Any] = {"dtype": dname, "T": T, "kernel": name,
+                                   "variant": "adasplash"}
+            try:
+                kernel = build_kernel(name, None, H, hs, args.device)
+                found = adasplash_row(kernel, keys, values, beta, args)
+                if "adasplash" in found:
+                    row["skipped"] = found["adasplash"]
+                else:
+                    row.update(ms=found["adasplash_ms"],
+                               first_call_s=found["adasplash_first_call_s"],
+                               max_abs_diff=found["adasplash_max_abs_diff"], path="adasplash",
+                               peak_mb=None)
+            except Exception as err:
+                row["error"] = error_text(err)
+                if args.device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+            rows.append(row)
+            emit(args, "adasplash", row)
+            print(f"{dname:>5} {T:>6} {name:>12}  " + (
+                f"{row['ms']:.2f} ms, first call {row['first_call_s']:.1f} s, max |diff| "
+                f"{row['max_abs_diff']:.1e}" if "ms" in row else
+                row.get("skipped", row.get("error", ""))), flush=True)
+    return rows
+
+
+# --- golden losses ---------------------------------------------------------------------------
+
+def golden(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per kernel with a stored curve: ``--golden-steps`` training steps of the tiny model of
+    ``bench/golden_losses.py`` on this device (bf16 autocast on CUDA, the fused kernels),
+    compared with the CPU float32 curve within the stored tolerance."""
+    from mosaics import available_kernels
+    from mosaics.ops.triton_backend import PATHS
+
+    gl = bench_module("golden_losses")
+    dname = "bf16" if args.device.startswith("cuda") else "fp32"
+    wanted = getattr(args, "kernels", None) or available_kernels()
+    rows = []
+    for name in [k for k in available_kernels() if k in wanted]:
+        row: dict[str, Any] = {"kernel": name, "dtype": dname}
+        stored = gl.load_golden(name)
+        try:
+            if stored is None:
+                raise FileNotFoundError(f"no stored curve in {gl.GOLDEN_DIR}")
+            PATHS.pop(name, None)
+            t0 = time.perf_counter()
+            losses = gl.train_curve(name, args.device, dname, steps=args.golden_steps)
+            row.update(gl.compare(losses, stored["losses"], stored["tolerance"]),
+                       seconds=time.perf_counter() - t0, tolerance=stored["tolerance"],
+                       path=PATHS.get(name, "sdpa" if name == "gaussian" else "own"))
+        except Exception as err:
+            row.update(ok=False, error=error_text(err))
+        rows.append(row)
+        emit(args, "golden", row)
+        print(f"{name:>20} {dname}: " + (
+            f"final {row['final']:.4f} vs {row['golden_final']:.4f}, max |diff| "
+            f"{row['max_abs_diff']:.4f}, mean {row['mean_abs_diff']:.4f}  "
+            f"{'ok' if row['ok'] else 'MISMATCH'}  ({row['seconds']:.1f} s, {row['path']})"
+            if "error" not in row else row["error"]), flush=True)
+    return rows
 
 
 # --- 4. DeepSpeed on one GPU -----------------------------------------------------------------
@@ -411,13 +776,85 @@ def deepspeed_resume(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+# --- the final table ---------------------------------------------------------------------------
+
+def read_rows(out: Path) -> list[dict[str, Any]]:
+    """The rows of ``<out>/rows.jsonl`` (a torn last line, from a stopped section, skipped)."""
+    path = out / ROWS_FILE
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                rows.append(json.loads(line))
+    return rows
+
+
+def baselines(rows: list[dict[str, Any]]) -> dict[tuple[int, str], float]:
+    """(T, dtype) -> the fastest Gaussian row (any SDPA backend) at that length, in bf16
+    where measured, else in that dtype."""
+    best: dict[tuple[int, str], float] = {}
+    for r in rows:
+        if r.get("kernel") == "gaussian" and "ms" in r and r.get("section", "").startswith(
+                "kernels"):
+            key = (r["T"], r["dtype"])
+            best[key] = min(best.get(key, math.inf), r["ms"])
+    return {(T, d): best.get((T, "bf16"), ms) for (T, d), ms in best.items()}
+
+
+def final_table(out: Path) -> str:
+    """One Markdown table of every kernel row (kernel x T x dtype, bf16 first): ms, ratio to
+    the Gaussian bf16 baseline at that T, path, first-call cost, peak memory; then the
+    golden-loss verdicts."""
+    rows = read_rows(out)
+    base = baselines(rows)
+    timed = [r for r in rows if r.get("section", "").startswith("kernels")
+             or r.get("section") == "adasplash"]
+    order = {"bf16": 0, "fp32": 1}
+    timed.sort(key=lambda r: (order.get(r["dtype"], 2), r["T"]))
+    lines = ["| kernel | T | dtype | fwd+bwd ms | vs gaussian (bf16) | path | first call s | "
+             "peak MB |", "|---|---|---|---|---|---|---|---|"]
+    for r in timed:
+        name = r["kernel"] + (f" ({r['variant']})" if r.get("variant") else "")
+        if "ms" not in r:
+            why = r.get("error") or r.get("skipped") or "?"
+            lines.append(f"| {name} | {r['T']} | {r['dtype']} | - | - | {why} | - | - |")
+            continue
+        ref = base.get((r["T"], r["dtype"]))
+        ratio = f"{r['ms'] / ref:.2f}" if ref else "-"
+        peak = f"{r['peak_mb']:.0f}" if r.get("peak_mb") is not None else "-"
+        path = r.get("path", "?") + (f" (max diff {r['max_abs_diff']:.1e})"
+                                     if "max_abs_diff" in r else "")
+        lines.append(f"| {name} | {r['T']} | {r['dtype']} | {r['ms']:.2f} | {ratio} | {path} | "
+                     f"{r['first_call_s']:.2f} | {peak} |")
+    gold = [r for r in rows if r.get("section") == "golden"]
+    if gold:
+        lines += ["", "| golden loss | dtype | final (CPU fp32) | max / mean abs diff | verdict |",
+                  "|---|---|---|---|---|"]
+        for r in gold:
+            if "error" in r:
+                lines.append(f"| {r['kernel']} | {r['dtype']} | - | - | {r['error']} |")
+                continue
+            lines.append(f"| {r['kernel']} | {r['dtype']} | {r['final']:.4f} "
+                         f"({r['golden_final']:.4f}) | {r['max_abs_diff']:.4f} / "
+                         f"{r['mean_abs_diff']:.4f} | {'ok' if r['ok'] else 'MISMATCH'} |")
+    text = "\n".join(lines) + "\n"
+    (out / "table.md").write_text(text)
+    return text
+
+
 # --- driver ------------------------------------------------------------------------------------
 
-SECTIONS = {"tests": run_tests, "throughput": throughput, "kernels": kernel_speed,
-            "deepspeed": deepspeed_resume}
+SECTIONS = {"tests": run_tests, "warm": warm, "kernels_bf16": kernels_bf16,
+            "adasplash": adasplash_section, "golden": golden, "kernels_fp32": kernels_fp32,
+            "throughput": throughput, "deepspeed": deepspeed_resume, "kernels": kernel_speed}
+DEFAULT_SECTIONS = ["tests", "warm", "kernels_bf16", "adasplash", "golden", "kernels_fp32",
+                    "throughput", "deepspeed"]
+DRY_RUN_SECTIONS = ["warm", "kernels_bf16", "adasplash", "golden", "kernels_fp32"]
 # seconds each section may take on a GPU (600 in all); a section past its limit is stopped
 # and recorded with what it left behind, and the next one starts
-BUDGETS = {"tests": 150, "throughput": 200, "kernels": 160, "deepspeed": 90}
+BUDGETS = {"tests": 150, "warm": 60, "kernels_bf16": 120, "adasplash": 45, "golden": 60,
+           "kernels_fp32": 60, "throughput": 60, "deepspeed": 45, "kernels": 160}
+TOTAL_BUDGET = 600
 QUICK_BUDGET = 600
 
 
@@ -433,12 +870,15 @@ def parse_budgets(items: list[str] | None, quick: bool) -> dict[str, float]:
 
 
 def partial_result(name: str, out: Path) -> Any:
-    """What a section stopped at its limit left behind (throughput rows so far, the tests'
-    last log lines), or None."""
-    if name == "throughput" and (out / "throughput_rows.json").exists():
-        return json.loads((out / "throughput_rows.json").read_text())
+    """What a section stopped at its limit left behind (its rows so far, the tests' last log
+    lines), or None."""
     if name == "tests" and (out / "cuda_tests.log").exists():
         return (out / "cuda_tests.log").read_text(errors="replace").splitlines()[-5:]
+    rows = [r for r in read_rows(out) if r.get("section") == name]
+    if rows:
+        return rows
+    if name == "throughput" and (out / "throughput_rows.json").exists():
+        return json.loads((out / "throughput_rows.json").read_text())
     return None
 
 
@@ -447,7 +887,8 @@ def run_isolated(name: str, argv: list[str], budget: float, out: Path) -> Any:
     process group after ``budget`` seconds: a hang or a crash costs that section only."""
     result_file = out / "sections" / f"{name}.json"
     result_file.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--only", name]
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--only", name,
+           "--section-limit", f"{budget:.0f}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
     try:
         proc.wait(timeout=budget)
@@ -463,22 +904,29 @@ def run_isolated(name: str, argv: list[str], budget: float, out: Path) -> Any:
 
 
 def section_failed(name: str, result: Any) -> bool:
-    """An error, a stop at the limit, failing CUDA tests or a resume that differs."""
+    """An error, a stop at the limit, failing CUDA tests, a golden curve off its tolerance, or
+    a resume that differs."""
     if isinstance(result, dict) and ("error" in result or result.get("timed_out")):
         return True
     if name == "tests":
         return result.get("returncode", 0) not in (0, 5)  # 5: no test collected
+    if name == "golden":
+        return not all(r.get("ok") for r in result)
     return name == "deepspeed" and not result.get("ok", False)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke run)")
-    p.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    p.add_argument("--dry-run", action="store_true", help="the kernel sections, warm-up and "
+                   "golden losses at tiny sizes on CPU, in this process: checks the script")
+    p.add_argument("--sections", nargs="+", choices=list(SECTIONS), help="default: "
+                   + " ".join(DEFAULT_SECTIONS))
     p.add_argument("--out", default="runs/gpu_check")
+    p.add_argument("--kernels", nargs="+", help="kernel sections, warm-up and golden "
+                   "losses: only these kernels (the Gaussian baseline always runs)")
     p.add_argument("--lengths", type=int, nargs="+", help="throughput: sequence lengths "
                    "(default 512 2048 8192)")
     p.add_argument("--modes", nargs="+", choices=["eager", "compiled"],
@@ -490,17 +938,38 @@ def main(argv: list[str] | None = None) -> int:
                    help="kernels: input dtypes (default fp32 bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--kernel-lengths", type=int, nargs="+", help="kernels: sequence lengths "
                    "(default 1024 4096 16384)")
+    p.add_argument("--bf16-lengths", type=int, nargs="+", help="kernels_bf16 (default 4096 "
+                   "16384)")
+    p.add_argument("--fp32-lengths", type=int, nargs="+", help="kernels_fp32 (default 1024 "
+                   "4096)")
+    p.add_argument("--adasplash-lengths", type=int, nargs="+", help="adasplash (default 4096 "
+                   "16384)")
+    p.add_argument("--adasplash-configs", type=int, default=4, help="adasplash: configurations "
+                   "left to each autotuner")
+    p.add_argument("--warm-workers", type=int, help="warm: processes at a time (default: "
+                   "CPU count, at most 8)")
+    p.add_argument("--warm-length", type=int, default=256, help="warm: T of each compile")
+    p.add_argument("--golden-steps", type=int, help="golden: steps (default 50)")
     p.add_argument("--ds-steps", type=int, help="deepspeed: steps of the uninterrupted run, "
-                   "checkpointed half way (default 200)")
+                   "checkpointed half way (default 12)")
     p.add_argument("--ds-compile", action="store_true", help="deepspeed: compile=true")
     p.add_argument("--budget", nargs="+", metavar="SECTION=SECONDS",
                    help=f"time limits of the sections (default {BUDGETS})")
+    p.add_argument("--total-budget", type=float, help=f"seconds for the whole run (default "
+                   f"{TOTAL_BUDGET}; each section's limit is capped by what is left)")
     p.add_argument("--in-process", action="store_true", help="run the sections in this process, "
                    "without time limits (debugging)")
     p.add_argument("--only", choices=list(SECTIONS), help=argparse.SUPPRESS)  # a section's child
+    p.add_argument("--section-limit", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--warm-one", help=argparse.SUPPRESS)  # a warm-up child: kernel:dtype
     args = p.parse_args(argv)
+    if args.dry_run:
+        args.quick, args.in_process = True, True
+        args.device = "cpu"
+    cuda = args.device.startswith("cuda")
     big = not args.quick
-    args.precision = "bf16" if args.device.startswith("cuda") else "fp32"
+    args.sections = args.sections or (DRY_RUN_SECTIONS if args.dry_run else DEFAULT_SECTIONS)
+    args.precision = "bf16" if cuda else "fp32"
     args.n_layer, args.n_embd, args.n_head = (12, 768, 12) if big else (2, 64, 2)
     args.vocab = 50304 if big else 512
     args.lengths = args.lengths or ([512, 2048, 8192] if big else [64])
@@ -508,18 +977,41 @@ def main(argv: list[str] | None = None) -> int:
     args.tokens_per_step = 16384 if big else 256
     args.steps, args.warmup = (10, 3) if big else (2, 1)
     args.kernel_lengths = args.kernel_lengths or ([1024, 4096, 16384] if big else [64, 128])
-    args.kernel_dtypes = args.kernel_dtypes or (
-        ["fp32", "bf16"] if args.device.startswith("cuda") else ["fp32"])
+    args.kernel_dtypes = args.kernel_dtypes or (["fp32", "bf16"] if cuda else ["fp32"])
+    args.bf16_lengths = args.bf16_lengths or ([4096, 16384] if big else [64])
+    args.fp32_lengths = args.fp32_lengths or ([1024, 4096] if big else [64])
+    args.adasplash_lengths = args.adasplash_lengths or ([4096, 16384] if big else [64])
     args.kernel_heads, args.kernel_head_size = (12, 64) if big else (2, 16)
     args.kernel_repeats, args.kernel_warmup = (3, 1) if big else (1, 1)
-    args.ds_steps = args.ds_steps or (200 if big else 8)
+    args.warm_dtypes = ["bf16", "fp32"] if cuda else ["fp32"]
+    args.warm_workers = args.warm_workers or max(1, min(8, os.cpu_count() or 1))
+    args.warm_limit = 2 if args.dry_run else 0
+    args.golden_steps = args.golden_steps or (2 if args.dry_run else 50)
+    args.ds_steps = args.ds_steps or (12 if big else 8)
     args.ds_vocab = 8192
-    budgets = parse_budgets(args.budget, args.quick)
-    args.tests_timeout = budgets["tests"] - 10
-    args.deepspeed_timeout = budgets["deepspeed"]
+    args.budgets = parse_budgets(args.budget, args.quick)
+    limit = args.section_limit or args.budgets.get(args.only or "", 0.0)
+    args.tests_timeout = (args.section_limit or args.budgets["tests"]) - 10
+    args.deepspeed_timeout = args.section_limit or args.budgets["deepspeed"]
+    args.warm_timeout = max(5.0, (limit or args.budgets["warm"]) - 10)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
     out = Path(args.out)
     from mosaics.evaluation.jobs import write_json
 
+    if args.warm_one:  # a warm-up child: compile one variant, write its result to --out
+        try:
+            result = warm_one(args.warm_one, args)
+        except Exception as err:
+            traceback.print_exc()
+            name, _, dname = args.warm_one.partition(":")
+            result = {"kernel": name, "dtype": dname, "error": error_text(err)}
+        write_json(out, result)
+        return 0
     if args.only:  # a section's child process: run it, write its result
         t0 = time.perf_counter()
         result = SECTIONS[args.only](args)
@@ -528,20 +1020,34 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.device.startswith("cuda"):
         print(f"note: no CUDA device; running on {args.device} (nothing here measures a GPU)")
-
+    out.mkdir(parents=True, exist_ok=True)
+    (out / ROWS_FILE).write_text("")  # this run's rows only
+    total = args.total_budget or (TOTAL_BUDGET if not args.quick else math.inf)
+    deadline = time.monotonic() + total
     report: dict[str, Any] = {"device": args.device, "quick": args.quick,
                               "torch": torch.__version__,
                               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available()
-                              else None, "budgets_s": budgets}
+                              else None, "budgets_s": args.budgets,
+                              "total_budget_s": None if math.isinf(total) else total,
+                              "sections": args.sections}
     failed = []
     for name in args.sections:
-        print(f"\n=== {name} (limit {budgets[name]:.0f} s) ===", flush=True)
+        left = deadline - time.monotonic()
+        limit = min(args.budgets[name], left - 2)
+        if limit < 5 and not args.in_process:
+            report[name] = {"skipped": f"{left:.0f} s left of the total budget"}
+            print(f"\n=== {name}: skipped, {left:.0f} s left ===", flush=True)
+            failed.append(name)
+            write_json(out / "gpu_check.json", report)
+            continue
+        print(f"\n=== {name} (limit {limit:.0f} s) ===", flush=True)
         t0 = time.perf_counter()
         try:
             if args.in_process:
                 report[name] = SECTIONS[name](args)
             else:
-                report[name] = run_isolated(name, argv, budgets[name], out)
+                child = [a for a in argv if a != "--in-process"]
+                report[name] = run_isolated(name, child, limit, out)
         except Exception as err:
             traceback.print_exc()
             report[name] = {"error": f"{type(err).__name__}: {err}"}
@@ -549,8 +1055,11 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(name)
         report[f"{name}_seconds"] = time.perf_counter() - t0
         write_json(out / "gpu_check.json", report)  # after every section, atomically
-    print(f"\nreport: {out / 'gpu_check.json'}" + (f"; failed: {', '.join(failed)}"
-                                                     if failed else ""))
+    print("\n=== kernels: forward + backward, B 1, H "
+          f"{args.kernel_heads}, head size {args.kernel_head_size} ===\n"
+          + final_table(out), flush=True)
+    print(f"report: {out / 'gpu_check.json'}, rows: {out / ROWS_FILE}, table: "
+          f"{out / 'table.md'}" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
 
