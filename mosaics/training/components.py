@@ -3,7 +3,9 @@ metrics, profiler, watchdog), kept out of the loop itself."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,7 @@ def build_evaluations(cfg: TrainConfig, tokenizer: Any, main: bool = True) -> li
 
 
 def build_hooks(cfg: TrainConfig, tokenizer: Any, main: bool = True,
-                probe: LoopProbe | None = None, rank: int = 0) -> list[Any]:
+                probe: LoopProbe | None = None, rank: int = 0, world: int = 1) -> list[Any]:
     """Every hook ``cfg`` asks for, in the order they run after each step; ``probe`` (the
     run's batches wrapped in a :class:`LoopProbe`) is needed by the system metrics and the
     profiler."""
@@ -58,4 +60,22 @@ def build_hooks(cfg: TrainConfig, tokenizer: Any, main: bool = True,
         hooks.append(EvalHook(evaluations))
     if probe is not None and cfg.system_metrics:
         hooks.append(SystemMetrics(probe))
+    if cfg.watchdog_s is not None and cfg.run_dir:
+        from .watchdog import Watchdog
+
+        watchdog = Watchdog(cfg.watchdog_s, Path(cfg.run_dir), rank, world)
+        if probe is not None:
+            probe.listeners.append(watchdog.beat)
+        hooks.append(watchdog)
     return hooks
+
+
+@contextlib.contextmanager
+def stopping(hooks: list[Any]) -> Iterator[None]:
+    """Stop the hooks' threads (the watchdog) when the block ends, however it ends."""
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            if callable(getattr(hook, "stop", None)):
+                hook.stop()

@@ -12,7 +12,9 @@ launcher starts N processes of ``mosaics train`` with the variables accelerate r
 * kills the ranks (SIGKILL) on a second signal and exits with 128 + its number;
 * when a rank fails (a status other than 0 and 75), gives the others :data:`FAILURE_GRACE_S`
   to end on their own (a bad config stops every rank with the same one-line error), then kills
-  them, and exits with the first failure's status.
+  them, and exits with the first failure's status; a rank ended by its watchdog
+  (:data:`~mosaics.training.signals.EXIT_STALLED`, a stalled rank or collective) gets the
+  others killed after :data:`STALLED_GRACE_S` and the launcher exits with that status.
 
 A rank whose launcher is gone (killed with SIGKILL) notices at its next step and stops with a
 checkpoint (:class:`~mosaics.training.signals.StopSignals`).
@@ -31,10 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .signals import EXIT_PREEMPTED, LAUNCHER_ENV
+from .signals import EXIT_PREEMPTED, EXIT_STALLED, LAUNCHER_ENV
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 FAILURE_GRACE_S = 30.0
+STALLED_GRACE_S = 5.0  # after a rank's watchdog ended it (the others' dump their stacks)
 
 
 def _pop_option(args: list[str], names: tuple[str, ...], what: str
@@ -175,10 +178,10 @@ class Launcher:
             bad = [c for c in codes if c is not None and c not in (0, EXIT_PREEMPTED)]
             if bad and failed_at is None:
                 failed_at = time.monotonic()
-            if not killed and failed_at is not None \
-                    and time.monotonic() - failed_at > FAILURE_GRACE_S:
+            grace = STALLED_GRACE_S if EXIT_STALLED in bad else FAILURE_GRACE_S
+            if not killed and failed_at is not None and time.monotonic() - failed_at > grace:
                 self._say(f"a rank failed (status {bad[0]}); killing the ranks still running "
-                          f"after {FAILURE_GRACE_S:.0f} s")
+                          f"after {grace:.0f} s")
                 self._send(signal.SIGKILL)
                 killed = True
             time.sleep(0.05)
@@ -187,6 +190,8 @@ class Launcher:
         if self.killed_by is not None:
             return 128 + self.killed_by
         failures = [c for c in codes if c not in (0, EXIT_PREEMPTED)]
+        if EXIT_STALLED in failures:  # the watchdog's: the others were killed after it
+            return EXIT_STALLED
         if failures:
             first = failures[0]
             return 128 - first if first < 0 else first  # killed by a signal: 128 + its number

@@ -21,7 +21,7 @@ from accelerate.utils import broadcast_object_list
 
 from ..errors import ConfigError
 from .build import as_hf_tokenizer, build_model, special_token_ids
-from .components import build_hooks
+from .components import build_hooks, stopping
 from .config import TrainConfig, save_config
 from .instrument import LoopProbe
 from .oom import oom_guard
@@ -132,7 +132,7 @@ def _train_locked(cfg: TrainConfig, accelerator: Accelerator) -> TrainResult:
                                        cfg.data_seed)
     model = build_model(cfg, len(tokenizer), **special_token_ids(tokenizer))
     probe = LoopProbe(batches, accelerator.gradient_accumulation_steps)
-    hooks = build_hooks(cfg, tokenizer, main, probe, accelerator.process_index)
+    hooks = build_hooks(cfg, tokenizer, main, probe, accelerator.process_index, world)
     trainer = Trainer(cfg, model, probe, validation_batches(windows, cfg.eval_batch_size * world),
                       hooks=hooks, accelerator=accelerator)
     probe.attach(trainer)
@@ -148,7 +148,7 @@ def _train_locked(cfg: TrainConfig, accelerator: Accelerator) -> TrainResult:
               f"global batch {cfg.batch_size * accum * world} x {cfg.block_size} = "
               f"{cfg.batch_size * accum * world * cfg.block_size} tokens per step "
               f"({accum} micro-batch(es) of {cfg.batch_size} per process)", file=sys.stderr)
-    with oom_guard(trainer, cfg.oom_snapshot):
+    with stopping(hooks), oom_guard(trainer, cfg.oom_snapshot):
         result = trainer.fit()
     if result.stop_signal is not None:  # preempted: no final model, the checkpoint resumes
         trainer.close()

@@ -23,6 +23,7 @@ from typing import Any
 from ..errors import ConfigError
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped early, a checkpoint was written; run again to resume
+EXIT_STALLED = 76  # ended by the watchdog (mosaics.training.watchdog); run again to resume
 DUPLICATE_WINDOW_S = 2.0  # a stop signal repeated within this many seconds counts once
 LAUNCHER_ENV = "MOSAICS_LAUNCHER_PID"  # set by mosaics.training.launch in every rank
 
