@@ -1,0 +1,385 @@
+"""Work model of the fused kernels: QK^T sweeps, products and tiles visited per causal tile.
+
+A replica, in PyTorch (fp32 scores), of each fused Triton kernel's loop bounds and stopping
+rules (``mosaics/ops/triton_kernels/``), run on given keys; it counts what the kernels would
+do, without running them:
+
+- power kernels (``power_attention.py``): per block of BLOCK_M query rows, a row-max sweep
+  over its key blocks (anchor at the row max), the Newton sweeps of the entmax threshold
+  (from tau = -1 until no row of the block moves by more than ``NEWTON_TOL``, at most
+  ``NEWTON_STEPS``), the output sweep; a tile is *live* when some u > 0 in it (its value
+  product runs, and the backward's products after its QK^T). Backward: ``_power_bwd_dq``
+  (entmax: a first sweep for c) and ``_power_bwd_dkv``, each recomputing QK^T on every tile;
+- kNN (``knn_attention.py``): pass 1 (running top-k; a key block is merged when one of its
+  scores beats some row's current k-th), pass 2 (weights, with the tie cumsum on every
+  tile); backward dK/dV and (Gaussian) dQ over every causal tile;
+- FSKA (``linear_attention.py``): the chunked scan, by its products (no score tiles off the
+  diagonal).
+
+Products count tile products of BLOCK_M x BLOCK_N x head size (QK^T, P V, dP = dO V^T,
+dV, dK, dQ); a "sweep" is one QK^T over every causal tile of a row block, averaged over the
+row blocks weighted by their tile counts. Reference: FlashAttention-2, 1 sweep and 2 products
+forward, 5 products backward.
+
+    OMP_NUM_THREADS=1 python bench/work_model.py                           # T 1024 4096
+    OMP_NUM_THREADS=1 python bench/work_model.py --lengths 16384 --heads 1
+    OMP_NUM_THREADS=1 python bench/work_model.py --model runs/x/final --tokens val.npy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mosaics.ops.power_attention import NEWTON_STEPS, NEWTON_TOL  # noqa: E402
+
+BETA = 7.39  # the check's bandwidth (e^2, the reference initialization)
+POWER = ("epanechnikov", "biweight", "triweight", "entmax", "relumax", "epanechnikov_fixed")
+KNN = ("gaussian_knn", "uniform_knn")
+FA2 = {"fwd_sweeps": 1.0, "fwd_products": 2.0, "bwd_products": 5.0}
+
+
+def check_keys(T: int, H: int, hs: int, seed: int = 0) -> torch.Tensor:
+    """gpu_check's inputs: unit random keys (1, H, T, hs) from the seed."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.nn.functional.normalize(torch.randn(1, H, T, hs, generator=g), dim=-1)
+
+
+def clustered_keys(T: int, H: int, hs: int, clusters: int = 64, spread: float = 0.3,
+                   seed: int = 0) -> torch.Tensor:
+    """Unit keys around ``clusters`` random centres (cosine ~0.9 within a cluster), each
+    position in a random cluster: epanechnikov_fixed's support is non-empty at beta e^2."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.nn.functional.normalize(torch.randn(1, H, clusters, hs, generator=g), dim=-1)
+    which = torch.randint(0, clusters, (1, H, T), generator=g)
+    noise = torch.randn(1, H, T, hs, generator=g) * (spread / math.sqrt(hs))
+    picked = torch.gather(centres, 2, which.unsqueeze(-1).expand(-1, -1, -1, hs))
+    return torch.nn.functional.normalize(picked + noise, dim=-1)
+
+
+def kernel_form(name: str) -> dict[str, Any]:
+    """(r, scale of beta, anchor, shift, entmax) of a power kernel, from the registry."""
+    from mosaics import get_kernel
+
+    k = get_kernel(name)
+    anchor, shift, entmax = k.fused_form()
+    return {"kernel": k, "r": float(k.power), "scale": float(k.score_scale), "anchor": anchor,
+            "shift": shift, "entmax": entmax}
+
+
+def _tile_any(u: torch.Tensor, r0: int, bm: int, bn: int) -> torch.Tensor:
+    """(row blocks, key blocks) whether a tile of u (rows r0.., keys 0..) has u > 0."""
+    m, w = u.shape
+    pr, pc = -m % bm, -w % bn
+    pos = torch.nn.functional.pad(u > 0, (0, pc, 0, pr))
+    return pos.view((m + pr) // bm, bm, (w + pc) // bn, bn).any(3).any(1)
+
+
+def newton(x: torch.Tensor, r: float, blocks: torch.Tensor,
+           n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused forward's threshold solve on scaled scores x (rows, keys; -inf where not
+    visible): Newton on (sum_j [x_j - tau]_+^r)^(1/r) = 1 from tau = -1, every row of a block
+    stepping until no row of that block moves by more than ``NEWTON_TOL`` (at most
+    ``NEWTON_STEPS``). Returns tau (rows, 1) and the sweeps of each block (n_blocks,)."""
+    tau = torch.full((x.shape[0], 1), -1.0)
+    its = torch.zeros(n_blocks)
+    done = torch.zeros(n_blocks, dtype=torch.bool)
+    for _ in range(NEWTON_STEPS):
+        d = (x - tau).clamp_min(0)
+        f = d.pow(r).sum(1, keepdim=True)
+        s = ((d > 0).float() if r == 1 else d.pow(r - 1)).sum(1, keepdim=True)
+        f_low = torch.where(f > 0, f.clamp_min(1e-38).pow(1 - 1 / r), 0.0)
+        step = torch.where(s > 0, (f - f_low) / s.clamp_min(1e-38), 0.0)
+        tau = torch.where(done[blocks].view(-1, 1), tau, tau + step)
+        its = torch.where(done, its, its + 1)
+        moving = torch.zeros(n_blocks).index_add_(
+            0, blocks, (step.abs() > NEWTON_TOL).float().view(-1)) > 0
+        done = done | ~moving
+        if bool(done.all()):
+            break
+    return tau, its
+
+
+def power_head(q: torch.Tensor, k: torch.Tensor, a: float, form: dict[str, Any], bm: int,
+               bn: int, fine: int, group: int = 8) -> dict[str, float]:
+    """Counts of one head (queries q (n, D), keys k (n, D), query i sees keys j <= i)."""
+    n = q.shape[0]
+    r, entmax = form["r"], form["entmax"]
+    nb = -(-n // bm)
+    out = {"tiles": 0.0, "sweep_tiles": 0.0, "newton_tiles": 0.0, "live": 0.0,
+           "fine_tiles": 0.0, "fine_live": 0.0, "empty_rows": 0.0, "newton_max": 0.0}
+    for b0 in range(0, nb, group):  # a group of row blocks at once
+        r0, r1 = b0 * bm, min(n, (b0 + group) * bm)
+        end = r1  # the last row of the group sees keys 0 .. r1 - 1
+        c = q[r0:r1].float() @ k[:end].float().T  # (m, end)
+        i = torch.arange(r0, r1).view(-1, 1)
+        vis = torch.arange(end).view(1, -1) <= i
+        if form["anchor"] is None:
+            m = c.masked_fill(~vis, float("-inf")).amax(1, keepdim=True)
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        else:
+            m = torch.full_like(c[:, :1], form["anchor"])
+        x = (a * (c - m)).masked_fill(~vis, float("-inf"))
+        blocks = torch.arange(r0, r1) // bm - b0  # row block of each row, in the group
+        n_blocks = int(blocks.max()) + 1
+        its = torch.zeros(n_blocks)
+        if entmax:
+            shift, its = newton(x, r, blocks, n_blocks)
+        else:
+            shift = torch.full_like(m, form["shift"])
+        u = (x - shift).clamp_min(0).masked_fill(~vis, 0.0)
+        for blk in range(n_blocks):
+            rows = slice(blk * bm, min((blk + 1) * bm, r1 - r0))
+            last = r0 + rows.stop - 1  # keys 0 .. last
+            tiles = last // bn + 1
+            live = _tile_any(u[rows, :last + 1], 0, bm, bn).sum().item()
+            sweeps = (form["anchor"] is None) + float(its[blk]) + 1
+            out["tiles"] += tiles
+            out["sweep_tiles"] += sweeps * tiles
+            out["newton_tiles"] += float(its[blk]) * tiles
+            out["newton_max"] = max(out["newton_max"], float(its[blk]))
+            out["live"] += live
+            fine_live = _tile_any(u[rows, :last + 1], 0, fine, fine)
+            row_f = torch.arange(fine_live.shape[0]).view(-1, 1) * fine + r0 + blk * bm
+            causal_f = torch.arange(fine_live.shape[1]).view(1, -1) * fine <= row_f + fine - 1
+            out["fine_tiles"] += causal_f.sum().item()
+            out["fine_live"] += (fine_live & causal_f).sum().item()
+        out["empty_rows"] += ((u > 0).sum(1) == 0).sum().item()
+    return out
+
+
+def power_counts(name: str, keys: torch.Tensor, beta: torch.Tensor, bm: int = 64, bn: int = 64,
+                 fine: int = 16) -> dict[str, Any]:
+    """The work model of a power kernel on keys (1, H, T, hs) at bandwidths beta (H,)."""
+    form = kernel_form(name)
+    band = form["kernel"].bandwidth(beta.float())
+    tot: dict[str, float] = {}
+    for h in range(keys.shape[1]):
+        kk = keys[0, h]
+        part = power_head(kk[1:], kk[:-1], form["scale"] * float(band[h]), form, bm, bn, fine)
+        for key, value in part.items():
+            tot[key] = max(tot.get(key, 0.0), value) if key == "newton_max" else (
+                tot.get(key, 0.0) + value)
+    tiles = tot["tiles"]
+    live = tot["live"] / tiles
+    sweeps = tot["sweep_tiles"] / tiles
+    solve = form["entmax"]
+    return {"kernel": name, "fwd_sweeps": sweeps, "newton_sweeps": tot["newton_tiles"] / tiles,
+            "newton_max": tot["newton_max"], "live": live,
+            "live_fine": tot["fine_live"] / tot["fine_tiles"],
+            "empty_rows": tot["empty_rows"] / (keys.shape[1] * (keys.shape[2] - 1)),
+            "fwd_products": sweeps + live,
+            # dq: (entmax: QK^T + dP on live) QK^T + dP, dQ on live; dkv: QK^T + dV, dP, dK
+            "bwd_products": (3 + 6 * live) if solve else (2 + 5 * live),
+            "fwd_tiles": sweeps, "bwd_tiles": 3.0 if solve else 2.0,
+            "causal_tiles": tiles / keys.shape[1]}
+
+
+def _per_block(flags: torch.Tensor, blocks: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """(n_blocks,) whether any row of each block has its flag set."""
+    return torch.zeros(n_blocks).index_add_(0, blocks, flags.float()) > 0
+
+
+def knn_head(q: torch.Tensor, k: torch.Tensor, k_top: int, bm: int, bn: int) -> dict[str, float]:
+    """Pass-1 merges, tiles holding the k-th value, true ties and tiles with a selected entry
+    of one head (query i sees keys j <= i)."""
+    n = q.shape[0]
+    nb = -(-n // bn)
+    pad = max(2, 1 << (k_top - 1).bit_length())
+    run = torch.full((n, pad), float("-inf"))
+    rows = torch.arange(n)
+    row_block = rows // bm
+    merges = torch.zeros(-(-n // bm), nb, dtype=torch.bool)
+    qf, kf = q.float(), k.float()
+    for kb in range(nb):
+        j = torch.arange(kb * bn, min(n, (kb + 1) * bn))
+        r0 = kb * bn  # rows that see this key block: i >= kb bn
+        s = qf[r0:] @ kf[j].T
+        s = s.masked_fill(j.view(1, -1) > rows[r0:].view(-1, 1), float("-inf"))
+        kth = run[r0:, k_top - 1:k_top]
+        merges[:, kb] = _per_block((s > kth).any(1), row_block[r0:], merges.shape[0])
+        run[r0:] = torch.cat([run[r0:], s], 1).topk(pad, 1).values
+    tau = run[:, k_top - 1:k_top]
+    selected = torch.zeros_like(merges)
+    at_tau = torch.zeros(n, nb, dtype=torch.bool)  # row i has an entry equal to tau_i there
+    eq_count = torch.zeros(n, dtype=torch.long)
+    for kb in range(nb):
+        j = torch.arange(kb * bn, min(n, (kb + 1) * bn))
+        r0 = kb * bn
+        s = qf[r0:] @ kf[j].T
+        vis = j.view(1, -1) <= rows[r0:].view(-1, 1)
+        eq = vis & (s == tau[r0:]) & torch.isfinite(tau[r0:])
+        at_tau[r0:, kb] = eq.any(1)
+        eq_count[r0:] += eq.sum(1)
+        selected[:, kb] = _per_block((vis & (s >= tau[r0:])).any(1), row_block[r0:],
+                                     merges.shape[0])
+    tied = eq_count > 1  # rows whose k-th value is shared: the only ones the cumsum serves
+    tie_tiles = torch.stack([_per_block(at_tau[:, kb] & tied, row_block, merges.shape[0])
+                             for kb in range(nb)], 1)
+    causal = torch.arange(nb).view(1, -1) * bn <= (torch.arange(merges.shape[0]).view(-1, 1)
+                                                    + 1) * bm - 1
+    return {"tiles": float(causal.sum()), "merges": float((merges & causal).sum()),
+            "tie_tiles": float((tie_tiles & causal).sum()),
+            "selected": float((selected & causal).sum()), "tie_rows": float(tied.sum())}
+
+
+def knn_counts(name: str, keys: torch.Tensor, k_top: int = 16, bm: int = 64,
+               bn: int = 64) -> dict[str, Any]:
+    """The work model of a kNN kernel on keys (1, H, T, hs)."""
+    tot: dict[str, float] = {}
+    for h in range(keys.shape[1]):
+        kk = keys[0, h]
+        for key, value in knn_head(kk[1:], kk[:-1], k_top, bm, bn).items():
+            tot[key] = tot.get(key, 0.0) + value
+    tiles = tot["tiles"]
+    uniform = name == "uniform_knn"
+    return {"kernel": name, "fwd_sweeps": 2.0, "merge": tot["merges"] / tiles,
+            "tie_tiles": tot["tie_tiles"] / tiles, "live": tot["selected"] / tiles,
+            "tie_rows": tot["tie_rows"], "cumsum": 1.0,
+            "fwd_products": 3.0, "bwd_products": 2.0 if uniform else 7.0,
+            "fwd_tiles": 2.0, "bwd_tiles": 1.0 if uniform else 2.0,
+            "causal_tiles": tiles / keys.shape[1]}
+
+
+def fska_counts(T: int, hs: int, features: int = 192, chunk: int = 64) -> dict[str, Any]:
+    """The chunked scan's products in units of a 64 x 64 x 64 tile product, per causal tile
+    (T / C chunks; a causal attention at this T has nc (nc + 1) / 2 tiles)."""
+    nc = -(-(T - 1) // chunk)
+    f, d, c = features / 64, hs / 64, chunk / 64
+    # forward: states k^T v (F D), then per chunk A = q k^T (F), q P (F D), A v (D)
+    fwd = c * (f * d + c * f + f * d + c * d)
+    # backward: P and R states, A, dA = dn v^T, dv = A^T dn, dq (dA k, dn P^T), dk (dA^T q,
+    # v R^T), dv += k R
+    bwd = c * (2 * f * d + c * f + 2 * c * d + c * f + f * d + c * f + f * d + f * d)
+    per_tile = nc / (nc * (nc + 1) / 2)
+    return {"kernel": "fska", "fwd_sweeps": per_tile, "fwd_products": fwd * per_tile,
+            "bwd_products": bwd * per_tile, "fwd_tiles": per_tile, "bwd_tiles": per_tile,
+            "live": 1.0, "causal_tiles": nc * (nc + 1) / 2}
+
+
+def model_keys(model_dir: Path, tokens: Path | None, T: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                      str]:
+    """Unit keys (1, L H, T, hs) of every layer of a saved model on T tokens (a .npy token
+    file, else random tokens) and their bandwidths (L H,)."""
+    import numpy as np
+
+    from mosaics import MosaicsForCausalLM
+
+    model = MosaicsForCausalLM.from_pretrained(model_dir).eval()
+    if tokens is not None:
+        ids = torch.from_numpy(np.load(tokens, mmap_mode="r")[:T].astype("int64"))
+        source = tokens.name
+    else:
+        ids = torch.randint(0, model.config.vocab_size, (T,), generator=torch.Generator()
+                            .manual_seed(0))
+        source = "random tokens"
+    captured: list[torch.Tensor] = []
+    betas: list[torch.Tensor] = []
+    for module in model.modules():
+        if hasattr(module, "unit_keys") and hasattr(module, "kernel"):
+            original = module.unit_keys
+
+            def hook(*args: Any, _f: Any = original, **kwargs: Any) -> Any:
+                keys, last = _f(*args, **kwargs)
+                captured.append(keys.detach())
+                return keys, last
+
+            module.unit_keys = hook
+            betas.append(module.weights().beta.detach().float().view(-1))
+    with torch.no_grad():
+        model(input_ids=ids.view(1, -1))
+    keys = torch.cat([k[0] for k in captured], 0).unsqueeze(0)  # (1, L H, T, hs)
+    name = f"{model_dir.resolve().parent.name}/{model_dir.name}"
+    return keys, torch.cat(betas), f"{name} on {T} tokens of {source}"
+
+
+def table(rows: list[dict[str, Any]], title: str) -> str:
+    """The rows as a Markdown table (one row per kernel), FlashAttention-2's first."""
+    head = ["kernel", "QK^T sweeps fwd", "Newton (mean / max)", "live 64x64 (16x16)",
+            "kNN merges / tie tiles / tied rows", "products fwd / bwd",
+            "tile visits fwd / bwd"]
+    lines = [f"**{title}**", "", "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head),
+             "| FlashAttention-2 | 1 | - | - | - | 2 / 5 | 1 / 2 |"]
+
+    def num(x: Any, fmt: str = "{:.2f}") -> str:
+        return "-" if x is None else fmt.format(x)
+
+    for r in rows:
+        newton = (f"{r['newton_sweeps']:.2f} / {r['newton_max']:.0f}"
+                  if r.get("newton_sweeps") else "-")
+        live = num(r.get("live"), "{:.3f}") + (f" ({r['live_fine']:.3f})"
+                                               if "live_fine" in r else "")
+        knn = (f"{r['merge']:.3f} / {r['tie_tiles']:.3f} / {r['tie_rows']:.0f}"
+               if "merge" in r else "-")
+        lines.append(f"| {r['kernel']} | {num(r['fwd_sweeps'])} | {newton} | {live} | "
+                     f"{knn} | {num(r['fwd_products'])} / "
+                     f"{num(r['bwd_products'])} | {num(r['fwd_tiles'])} / "
+                     f"{num(r['bwd_tiles'])} |")
+    return "\n".join(lines)
+
+
+def measure(keys: torch.Tensor, beta: torch.Tensor, kernels: list[str], k_top: int,
+            clustered: torch.Tensor | None = None) -> list[dict[str, Any]]:
+    """Every asked kernel's counts on keys (epanechnikov_fixed also on ``clustered``)."""
+    rows = []
+    T, hs = keys.shape[2], keys.shape[3]
+    for name in kernels:
+        if name in POWER:
+            rows.append(power_counts(name, keys, beta))
+            if name == "epanechnikov_fixed" and clustered is not None:
+                row = power_counts(name, clustered, beta)
+                row["kernel"] = "epanechnikov_fixed (clustered keys)"
+                rows.append(row)
+        elif name in KNN:
+            rows.append(knn_counts(name, keys, k_top))
+        elif name == "fska":
+            rows.append(fska_counts(T, hs))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--head-size", type=int, default=64)
+    p.add_argument("--kernels", nargs="+", default=[*POWER, *KNN, "fska"])
+    p.add_argument("--k-top", type=int, default=16)
+    p.add_argument("--model", type=Path, help="a saved model: also count on its keys")
+    p.add_argument("--tokens", type=Path, help="with --model: a .npy of token ids")
+    p.add_argument("--model-length", type=int, default=1024)
+    p.add_argument("--json", type=Path, help="write every row here")
+    args = p.parse_args(argv)
+    torch.set_grad_enabled(False)
+    results = []
+    for T in args.lengths:
+        keys = check_keys(T, args.heads, args.head_size)
+        clustered = clustered_keys(T, args.heads, args.head_size)
+        beta = torch.full((args.heads,), BETA)
+        rows = measure(keys, beta, args.kernels, args.k_top, clustered)
+        title = f"gpu_check's inputs: T {T}, {args.heads} heads of {args.head_size}, beta {BETA}"
+        print(table(rows, title) + "\n", flush=True)
+        results += [dict(r, T=T, source="check") for r in rows]
+    if args.model is not None:
+        keys, beta, source = model_keys(args.model, args.tokens, args.model_length)
+        rows = measure(keys, beta, args.kernels, args.k_top)
+        print(table(rows, f"{source}: {keys.shape[1]} layer-heads of {keys.shape[3]}, "
+                          f"beta {beta.min():.2f}-{beta.max():.2f}") + "\n", flush=True)
+        results += [dict(r, T=args.model_length, source=source) for r in rows]
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
