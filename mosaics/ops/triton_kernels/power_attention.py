@@ -18,6 +18,10 @@ Backward (dx = kappa h (dp - c), h = u^(r-1), dp_ij = g_i . v_j):
   then dq~_i = sum_j dx_ij k_j and sum_j dx_ij;
 - ``_power_bwd_dkv``, per block of keys, over the query blocks that see them:
   dv_j = sum_i (p_ij / N_i) g_i and dk_j = sum_i a_i dx_ij q_i.
+
+Offsets: the (batch x head) program id is int64, so every pointer argument moves by an int64
+offset first (tensors past 2^31 elements; tests/test_fused_offsets.py); rows and columns
+inside one (batch, head) slice stay int32.
 """
 
 import os
@@ -111,7 +115,7 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG,
                R_KIND: tl.constexpr, N_ITER: tl.constexpr, IEEE: tl.constexpr,
                HAS_BIAS: tl.constexpr):
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)
     batch = bh // H
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n
@@ -206,7 +210,7 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
                   BLOCK_DV: tl.constexpr, SOLVE: tl.constexpr, R_KIND: tl.constexpr,
                   IEEE: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)
     batch = bh // H
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n
@@ -286,7 +290,7 @@ def _power_bwd_dkv(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, INV, QB_FIRS
                    BLOCK_DV: tl.constexpr, R_KIND: tl.constexpr, IEEE: tl.constexpr,
                    HAS_BIAS: tl.constexpr):
     pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)
     batch = bh // H
     j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     j_ok = j < S
