@@ -10,17 +10,30 @@ from pathlib import Path
 from typing import Any
 
 from .config import TrainConfig
-from .evals import Evaluation, PositionLoss, RecallProbe, SampleText, parse_evals
+from .evals import (
+    EvalSpec,
+    Evaluation,
+    PositionLoss,
+    RecallProbe,
+    SampleText,
+    SourceLoss,
+    parse_evals,
+)
 from .instrument import LoopProbe, SystemMetrics
 from .profiling import ProfileSteps, parse_steps
 
 VAL_STORY_SEED_OFFSET = 1_000_003  # the built-in corpus's validation stories (storygen)
 
 
-def build_evaluations(cfg: TrainConfig, tokenizer: Any, main: bool = True) -> list[Evaluation]:
+def build_evaluations(cfg: TrainConfig, tokenizer: Any, main: bool = True,
+                      per_source: dict[str, Any] | None = None) -> list[Evaluation]:
     """The evaluations of ``cfg.evals``; ``recall`` needs the built-in story corpus (its own
-    question) and is left out with one line for other corpora."""
+    question) and is left out with one line for other corpora. ``per_source`` (a mixture's
+    validation windows by source) adds ``source_loss`` at every ``eval_interval``."""
     out: list[Evaluation] = []
+    if per_source and cfg.eval_interval:
+        spec = EvalSpec("source_loss", cfg.eval_interval, budget_s=float("inf"))
+        out.append(SourceLoss(spec, per_source, cfg.eval_batch_size))
     for spec in parse_evals(cfg.evals):
         if spec.name == "position_loss":
             out.append(PositionLoss(spec))
@@ -45,7 +58,8 @@ def build_evaluations(cfg: TrainConfig, tokenizer: Any, main: bool = True) -> li
 
 
 def build_hooks(cfg: TrainConfig, tokenizer: Any, main: bool = True,
-                probe: LoopProbe | None = None, rank: int = 0, world: int = 1) -> list[Any]:
+                probe: LoopProbe | None = None, rank: int = 0, world: int = 1,
+                per_source: dict[str, Any] | None = None) -> list[Any]:
     """Every hook ``cfg`` asks for, in the order they run after each step; ``probe`` (the
     run's batches wrapped in a :class:`LoopProbe`) is needed by the system metrics and the
     profiler."""
@@ -55,7 +69,7 @@ def build_hooks(cfg: TrainConfig, tokenizer: Any, main: bool = True,
     steps = parse_steps(cfg.profile_steps)
     if probe is not None and steps is not None and cfg.run_dir:
         hooks.append(ProfileSteps(steps, Path(cfg.run_dir) / "profile", rank, probe))
-    evaluations = build_evaluations(cfg, tokenizer, main)
+    evaluations = build_evaluations(cfg, tokenizer, main, per_source)
     if evaluations:
         hooks.append(EvalHook(evaluations))
     if probe is not None and cfg.system_metrics:

@@ -35,8 +35,9 @@ class TrainConfig:
     seed: int = 0
     resume: bool = False  # intact checkpoints in run_dir are resumed even without it
 
-    # data (see mosaics.data.prepare_corpus)
-    data_source: str | None = None
+    # data (see mosaics.data.prepare_corpus); a mapping {source: weight, ...} trains on a
+    # weighted mixture (mosaics.data.mixture; one tokenizer for all)
+    data_source: str | dict[str, float] | None = None
     data_cache_dir: str | None = None
     tokenizer: str | None = None
     vocab_size: int = 4096
@@ -165,6 +166,11 @@ class TrainConfig:
             raise ConfigError(f"global_batch_size must be positive or null, got "
                              f"{self.global_batch_size}.")
         tracker_names(self.log_with, self.tensorboard)  # raises on an unknown tracker
+        from ..data.mixture import parse_mixture
+
+        mixture = parse_mixture(self.data_source)
+        if mixture is not None:
+            self.data_source = mixture
         from .evals import parse_evals
 
         parse_evals(self.evals)
@@ -217,6 +223,8 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
             return None
+        if isinstance(value, dict) and any(typing.get_origin(a) is dict for a in args):
+            return dict(value)
         return _coerce(name, value, args[0])
     try:
         if hint is bool:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .evals import Evaluation, PositionLoss
+from .evals import Evaluation
 from .metrics import log_row
 from .trainer import Hook
 
@@ -75,7 +75,7 @@ class EvalHook(Hook):
                 out = evaluation.run(model, start + evaluation.spec.budget_s, trainer)
             except Exception as err:  # noqa: BLE001 - an evaluation never stops training
                 error = err
-            if isinstance(evaluation, PositionLoss):  # collective: every rank, always
+            if evaluation.every_rank:  # collective: every rank, always, one reduction
                 failed = trainer._agree(error is not None)[0]
                 if not failed:
                     sums = torch.cat([out["_sums"], out["_count"].reshape(1)])

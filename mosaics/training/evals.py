@@ -66,8 +66,10 @@ def parse_evals(value: dict[str, Any] | None) -> list[EvalSpec]:
 
 
 class Evaluation:
-    """Base: ``run(model, deadline)`` -> {metric: value}; ``model`` is the unwrapped module in
-    eval mode under ``torch.no_grad``; stop at ``deadline`` (``time.monotonic()``)."""
+    """Base: ``run(model, deadline, trainer)`` -> {metric: value}; ``model`` is the unwrapped
+    module in eval mode under ``torch.no_grad``; stop at ``deadline`` (``time.monotonic()``).
+    An ``every_rank`` evaluation returns this process's ``_sums`` (1-D) and ``_count`` (0-D)
+    tensors instead; they are summed over processes and passed to ``finish``."""
 
     every_rank = False
 
@@ -75,6 +77,9 @@ class Evaluation:
         self.spec = spec
 
     def run(self, model: nn.Module, deadline: float, trainer: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def finish(self, sums: torch.Tensor, count: float) -> dict[str, Any]:
         raise NotImplementedError
 
 
@@ -168,3 +173,33 @@ class RecallProbe(Evaluation):
             done += 1
         return {"exact_match": right / done if done else float("nan"),
                 "prompts_scored": float(done)}
+
+
+class SourceLoss(Evaluation):
+    """Validation loss of each source of a data mixture (``eval/source_loss/<name>``), on
+    that source's own windows; sharded over processes."""
+
+    every_rank = True
+
+    def __init__(self, spec: EvalSpec, windows: dict[str, torch.Tensor], rows: int) -> None:
+        super().__init__(spec)
+        self.windows, self.rows = windows, max(int(rows), 1)
+
+    def run(self, model: nn.Module, deadline: float, trainer: Any) -> dict[str, Any]:
+        acc = trainer.accelerator
+        device = _device(model)
+        sums = torch.zeros(2 * len(self.windows), dtype=torch.float64)  # nll, tokens
+        for i, wins in enumerate(self.windows.values()):
+            mine = wins[acc.process_index::acc.num_processes]
+            for ids in mine.split(self.rows):
+                ids = ids.to(device)
+                out = model(input_ids=ids, labels=ids, use_cache=False)
+                loss = out.lm_loss if getattr(out, "lm_loss", None) is not None else out.loss
+                n = ids.shape[0] * (ids.shape[1] - 1)
+                sums[2 * i] += float(loss) * n
+                sums[2 * i + 1] += n
+        return {"_sums": sums, "_count": torch.ones((), dtype=torch.float64)}
+
+    def finish(self, sums: torch.Tensor, count: float) -> dict[str, Any]:
+        return {name: float(sums[2 * i] / sums[2 * i + 1].clamp_min(1))
+                for i, name in enumerate(self.windows)}

@@ -11,6 +11,7 @@ The same command is safe to repeat: it resumes from the newest intact checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from ..errors import ConfigError
 from .build import as_hf_tokenizer, build_model, special_token_ids
 from .components import build_hooks, stopping
 from .config import TrainConfig, save_config
+from .data_mixture import load_mixture
 from .instrument import LoopProbe
 from .oom import oom_guard
 from .rundir import RunLock, prepare_run_dir
@@ -121,18 +123,31 @@ def _train_locked(cfg: TrainConfig, accelerator: Accelerator) -> TrainResult:
 
     main, world = accelerator.is_main_process, accelerator.num_processes
     run_dir = Path(cfg.run_dir)
-    corpus = load_data(cfg, accelerator)
-    tokenizer = as_hf_tokenizer(corpus.tokenizer)
     # the windows of step s are a pure function of (seed, s, global batch), however they are
     # split over processes and micro-batches (so a resume may change the process count)
-    batches = RandomWindowBatches(corpus.train_tokens, cfg.block_size, batch_size=cfg.batch_size,
-                                  seed=cfg.seed, rank=accelerator.process_index, world_size=world,
-                                  accumulation=accelerator.gradient_accumulation_steps)
-    windows = fixed_validation_windows(corpus.val_tokens, cfg.block_size, cfg.eval_windows,
-                                       cfg.data_seed)
+    batches: Any
+    per_source: dict[str, torch.Tensor] = {}
+    if isinstance(cfg.data_source, dict):  # a weighted mixture of sources
+        mixture = load_mixture(cfg, accelerator)
+        raw_tokenizer, batches, windows = mixture.tokenizer, mixture.batches, mixture.val_windows
+        per_source = mixture.per_source
+        if main:
+            print("data: " + ", ".join(f"{n} {100 * w:.1f}%" for n, w in
+                                       mixture.weights.items()), file=sys.stderr)
+    else:
+        corpus = load_data(cfg, accelerator)
+        raw_tokenizer = corpus.tokenizer
+        batches = RandomWindowBatches(corpus.train_tokens, cfg.block_size,
+                                      batch_size=cfg.batch_size, seed=cfg.seed,
+                                      rank=accelerator.process_index, world_size=world,
+                                      accumulation=accelerator.gradient_accumulation_steps)
+        windows = fixed_validation_windows(corpus.val_tokens, cfg.block_size, cfg.eval_windows,
+                                           cfg.data_seed)
+    tokenizer = as_hf_tokenizer(raw_tokenizer)
     model = build_model(cfg, len(tokenizer), **special_token_ids(tokenizer))
     probe = LoopProbe(batches, accelerator.gradient_accumulation_steps)
-    hooks = build_hooks(cfg, tokenizer, main, probe, accelerator.process_index, world)
+    hooks = build_hooks(cfg, tokenizer, main, probe, accelerator.process_index, world,
+                        per_source)
     trainer = Trainer(cfg, model, probe, validation_batches(windows, cfg.eval_batch_size * world),
                       hooks=hooks, accelerator=accelerator)
     probe.attach(trainer)
@@ -164,7 +179,9 @@ def _train_locked(cfg: TrainConfig, accelerator: Accelerator) -> TrainResult:
         result.final_dir = trainer.export(run_dir / "final", tokenizer)
         if main:  # the model card (README.md) of the exported directory
             from ..model_card import write_training_card
-            write_training_card(result.final_dir, cfg, result)
+            card_cfg = cfg if not isinstance(cfg.data_source, dict) else dataclasses.replace(
+                cfg, data_source=", ".join(cfg.data_source))
+            write_training_card(result.final_dir, card_cfg, result)
         if main and cfg.sample_tokens > 0:
             result.sample = sample_text(result.final_dir, cfg.sample_prompt, cfg.sample_tokens,
                                         cfg.seed)
