@@ -101,7 +101,7 @@ def test_evaluations_leave_training_losses_identical(tmp_path, story_tokenizer):
     evaluated = {r["step"]: r for r in rows if any(k.startswith("eval/") for k in r)}
     assert sorted(evaluated) == [2, 4]
     four = evaluated[4]
-    names = ("1-8", "9-16", "17-23")  # 23 scored positions of a 24-token window
+    names = ("pos01-08", "pos09-16", "pos17-23")  # 23 scored positions of a 24-token window
     assert {f"eval/position_loss/{k}" for k in names} <= four.keys()
     parts = [four[f"eval/position_loss/{k}"] for k in names]
     assert four["eval/position_loss/loss"] == pytest.approx((8 * parts[0] + 8 * parts[1]

@@ -88,8 +88,9 @@ def _device(model: nn.Module) -> torch.device:
 
 
 class PositionLoss(Evaluation):
-    """Validation loss by position in the window, in ``buckets`` equal spans of positions
-    (``eval/position_loss/<first>-<last>``) and overall; sharded over processes."""
+    """Validation loss by position in the window, in ``buckets`` (default 4) equal spans of
+    the scored positions 1..T-1 (``eval/position_loss/pos<first>-<last>``) and overall
+    (``loss``, the validation loss); sharded over processes."""
 
     every_rank = True
 
@@ -123,8 +124,10 @@ class PositionLoss(Evaluation):
         by_pos = sums / count
         buckets = int(self.spec.options.get("buckets", 4))
         out = {"loss": float(by_pos.mean()), "windows": float(count)}
+        width = len(str(len(by_pos)))  # zero-padded, so trackers sort the buckets in order
         for part in torch.arange(len(by_pos)).tensor_split(min(buckets, len(by_pos))):
-            out[f"{int(part[0]) + 1}-{int(part[-1]) + 1}"] = float(by_pos[part].mean())
+            first, last = int(part[0]) + 1, int(part[-1]) + 1
+            out[f"pos{first:0{width}d}-{last:0{width}d}"] = float(by_pos[part].mean())
         return out
 
 
