@@ -169,7 +169,7 @@ def merge_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 # --- sweep ----------------------------------------------------------------------------------
 
 def _sweep_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--task", nargs="+", choices=["regbench", "sort", "mqmtar"])
+    p.add_argument("--task", nargs="+", choices=["regbench", "sort", "mqmtar", "pretrain"])
     p.add_argument("--model", nargs="+", default=["mosaics/gaussian"],
                    help="mosaics/<kernel> (or just <kernel>), mosaics-v2/<kernel>, gpt2 "
                         "(RegBench only), llama")
@@ -408,6 +408,9 @@ def _needle_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("auto", "story", "passkey"), default="auto")
     p.add_argument("--no-controls", action="store_true",
                    help="skip the no-gold and recent-window control cells")
+    p.add_argument("--block-size", type=positive_int, default=None,
+                   help="the training length (default: the config's block_size / n_positions; "
+                        "needed for rotary models, whose config does not record it)")
     p.add_argument("--loss-multiplier", type=int, default=16,
                    help="loss by position in windows of this many training lengths (0: skip)")
     p.add_argument("--batch-size", type=positive_int, default=8)
@@ -434,7 +437,8 @@ def needle_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             args.model, out, args.data, args.lengths, args.depths, prompts, args.facts,
             args.seed, args.batch_size, () if args.no_controls else CONTROLS, args.mode,
             loss_multiplier=args.loss_multiplier, device=device,
-            progress=not args.no_progress, corpus_seed=args.corpus_seed)
+            progress=not args.no_progress, corpus_seed=args.corpus_seed,
+            block_size=args.block_size)
     except (NeedleError, DataError, OSError) as err:
         p.error(str(err))
     print(recall_probe.markdown(result))

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .models import MOSAICS_ARCHS, check_config_changes, is_mosaics, saved_label
-from .protocols import MODEL_OVERRIDES, TASKS, presets, task_overrides
+from .protocols import ALL_TASKS, MODEL_OVERRIDES, TASKS, presets, task_overrides
 
 BASELINE_ARCHS = ("gpt2", "llama")
 
@@ -65,6 +65,9 @@ class Job:
         if self.model_dir is not None:
             return saved_label(self.model_dir, self.config_changes)
         label = model_label(self.model, self.kernel_kwargs)
+        changes = (self.overrides.get("train") or {}).get("model_kwargs") or {}
+        if changes:  # a pretraining job's model changes (an ablation)
+            label += " " + ",".join(f"{k}={v}" for k, v in sorted(changes.items()))
         return f"{label} +alibi" if self.overrides.get("alibi") else label
 
     @property
@@ -117,8 +120,8 @@ def make_job(task: str, model: str, seed: int = 0, size: int | None = None,
     """A checked :class:`Job` (known task, model, kernel, preset and settings); with
     ``model_dir`` a job that scores that saved model directory (``model`` is ignored), after
     the ``config_changes`` to its config (fields of its config.json)."""
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    if task not in ALL_TASKS:
+        raise ValueError(f"unknown task {task!r}; choose from {', '.join(ALL_TASKS)}")
     if model_dir is not None:
         path = Path(model_dir).expanduser().resolve()
         if not (path / "config.json").is_file():
@@ -141,7 +144,7 @@ def make_job(task: str, model: str, seed: int = 0, size: int | None = None,
         if kernel not in available_kernels():
             raise ValueError(f"unknown kernel {kernel!r}; registered kernels: "
                              f"{', '.join(available_kernels())}")
-    if task != "regbench" and model == "gpt2":
+    if task in ("sort", "mqmtar") and model == "gpt2":
         raise ValueError("gpt2 cannot be scored past its learned position table; the "
                          "extrapolation baseline is llama")
     _check_preset(task, preset)
@@ -161,7 +164,7 @@ def expand_jobs(tasks: Iterable[str], models: Iterable[str], seeds: Iterable[int
     jobs: dict[str, Job] = {}
     notes: list[str] = []
     for task, model, seed in itertools.product(tasks, models, seeds):
-        if task != "regbench" and normalize_model(model) == "gpt2":
+        if task in ("sort", "mqmtar") and normalize_model(model) == "gpt2":
             notes.append(f"{task} x gpt2 left out: learned positions cannot extrapolate "
                          "(llama is the transformer baseline there)")
             continue

@@ -362,16 +362,18 @@ def run_cell(model: nn.Module, builder: NeedleBuilder, tokenizer: Any, length: i
 
 
 def own_question_cell(model: nn.Module, tokenizer: Any, stories: Sequence[Any], prompts: int,
-                      device: str | torch.device = "cpu") -> Cell:
-    """The corpus's own colour question at the end of single validation stories (each within
-    the training length): the reference point the needle cells are read against."""
+                      block_size: int, device: str | torch.device = "cpu") -> Cell:
+    """The corpus's own colour question at the end of single validation stories, each cut to
+    its last ``block_size`` tokens (a training window): the reference point the needle cells
+    are read against."""
     chosen = [s for s in stories if s.kind == "colour"][:prompts]
     if not chosen:
         raise NeedleError("no validation story asks the colour question; the story corpus "
                           "is needed for this reference")
     rows = []
     for i, s in enumerate(chosen):
-        ids = tokenizer(s.text[: s.answer_start].rstrip(), add_special_tokens=False)["input_ids"]
+        ids = tokenizer(s.text[: s.answer_start].rstrip(),
+                        add_special_tokens=False)["input_ids"][-block_size:]
         p = NeedlePrompt(list(ids), s.answer, list(COLOURS), len(ids), i, None, None, None)
         rows += score_prompts(model, [p], tokenizer, device)
     n = len(rows)

@@ -9,10 +9,12 @@ definitions, job files and presets can be read and checked without the training 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-TASKS = ("regbench", "sort", "mqmtar")
+TASKS = ("regbench", "sort", "mqmtar")  # tasks trained from scratch on synthetic data
+PRETRAIN = "pretrain"  # pretrain a language model, then probe its recall (needle)
+ALL_TASKS = (*TASKS, PRETRAIN)
 # protocol settings that change the model, not the protocol: they go into a job's label and
 # name, so such a model is a row of the same table as the models without them
 MODEL_OVERRIDES = ("alibi",)
@@ -117,13 +119,63 @@ EXTRAPOLATION_PRESETS["paper-code"] = replace(
     keep="last", eval_every=1000)
 
 
+@dataclass
+class PretrainProtocol:
+    """Pretrain a language model on a corpus (``mosaics train``), then the recall report
+    (``mosaics eval needle``). The model's size, length and steps are ``TrainConfig``
+    fields; ``train`` holds any other ``TrainConfig`` field (e.g. ``{"lr": 1e-3}``)."""
+
+    data_source: str | None = None  # None: the built-in story corpus
+    tokenizer: str | None = None  # None: a byte-level BPE trained on the corpus
+    n_layer: int = 4
+    n_embd: int = 256
+    n_head: int = 4
+    block_size: int = 128
+    batch_size: int = 16
+    max_steps: int = 2000
+    warmup_steps: int = 100
+    eval_interval: int = 500
+    train: dict = field(default_factory=dict)
+    # v2 blocks at this length: the short-term window, the long-term gap (inference) and its
+    # training range; None: MosaicsConfig.v2's (h 256, m 64, m ~ U[64, 256] in training)
+    v2_window: int | None = 64
+    v2_gap: int | None = 16
+    v2_gap_range: tuple[int, int] | None = (16, 64)
+    # the probe
+    multipliers: tuple[float, ...] = (1, 2, 4, 8, 16)
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    prompts: int = 20
+    facts: int = 3
+    loss_multiplier: int = 16
+    own_prompts: int = 100
+
+
+PRETRAIN_PRESETS = {
+    # one CPU thread: ~0.9 s a step at 2048 tokens (gaussian, d 256, 4 layers); the built-in
+    # corpus's own question is answered with exact match 1.0 after 3000 steps
+    # (docs/notes/2026-12-07-pretrain-recall.md)
+    "cpu": PretrainProtocol(),
+    "cpu-long": PretrainProtocol(max_steps=3000, multipliers=(1, 2, 4, 8, 16, 32, 64)),
+    # GPT-2 small on BabiStories through the SLURM executor: T 512, 100 prompts per cell
+    "gpu-124m": PretrainProtocol(
+        data_source="BabiStories", tokenizer="gpt2", n_layer=12, n_embd=768, n_head=12,
+        block_size=512, batch_size=64, max_steps=20000, warmup_steps=1000, eval_interval=1000,
+        v2_window=256, v2_gap=64, v2_gap_range=(64, 256),
+        multipliers=(1, 2, 4, 8, 16, 32, 64), prompts=100),
+}
+
+
 def protocol_class(task: str) -> type:
     """The protocol dataclass of ``task``."""
+    if task == PRETRAIN:
+        return PretrainProtocol
     return RegBenchProtocol if task == "regbench" else ExtrapolationProtocol
 
 
 def presets(task: str) -> dict[str, Any]:
     """The presets of ``task`` by name."""
+    if task == PRETRAIN:
+        return PRETRAIN_PRESETS
     return REGBENCH_PRESETS if task == "regbench" else EXTRAPOLATION_PRESETS
 
 
@@ -135,7 +187,8 @@ def with_overrides(proto, **overrides: Any):  # noqa: ANN001, ANN201
 def task_overrides(task: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """The overrides that are fields of this task's protocol (RegBench and extrapolation
     protocols differ: ``max_steps`` vs ``steps``); a key of neither protocol is an error."""
-    known = {f.name for cls in (RegBenchProtocol, ExtrapolationProtocol) for f in fields(cls)}
+    known = {f.name for cls in (RegBenchProtocol, ExtrapolationProtocol, PretrainProtocol)
+             for f in fields(cls)}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ValueError(f"unknown protocol setting(s) {', '.join(unknown)}; known: "

@@ -60,8 +60,11 @@ def probe(model_dir: str | Path, out: str | Path, source: str | None = None,
           prompts: int = 20, facts: int = 3, seed: int = 0, batch_size: int = 8,
           controls: Sequence[str] = CONTROLS, mode: str = "auto", own_prompts: int = 100,
           loss_multiplier: int = 16, loss_windows: int = 4, device: str = "cpu",
-          progress: bool = True, corpus_seed: int = 0) -> dict[str, Any]:
-    """Run the recall report of ``model_dir`` into ``out``; returns ``recall.json``'s content."""
+          progress: bool = True, corpus_seed: int = 0,
+          block_size: int | None = None) -> dict[str, Any]:
+    """Run the recall report of ``model_dir`` into ``out``; returns ``recall.json``'s content.
+    ``block_size``: the training length the lengths are multiples of (default: the config's
+    ``block_size`` or ``n_positions``; a rotary model's config does not record it)."""
     from tqdm.auto import tqdm
 
     from ..data import load_tokenizer
@@ -76,10 +79,11 @@ def probe(model_dir: str | Path, out: str | Path, source: str | None = None,
                           "the model's own: save it beside the model (the trainer's final/ "
                           "has it)") from None
     model = models.load_model(model_dir, device)
-    block = int(getattr(model.config, "block_size", 0) or getattr(model.config, "n_positions",
-                                                                    0))
+    block = int(block_size or getattr(model.config, "block_size", 0)
+                or getattr(model.config, "n_positions", 0))
     if block <= 0:
-        raise NeedleError(f"{model_dir}/config.json names no training length (block_size)")
+        raise NeedleError(f"{model_dir}/config.json names no training length (block_size); "
+                          "pass it (--block-size)")
     limit = context_limit(model)
     texts, records = validation_texts(source, seed=corpus_seed)
     builder = NeedleBuilder(tokenizer, texts, mode, facts, block, seed)
@@ -114,7 +118,7 @@ def probe(model_dir: str | Path, out: str | Path, source: str | None = None,
     if records is not None and builder.mode == "story" and own_prompts > 0:
         from .needle import own_question_cell
 
-        own = own_question_cell(model, tokenizer, records, own_prompts, device)
+        own = own_question_cell(model, tokenizer, records, own_prompts, block, device)
         result["own_question"] = {k: v for k, v in own.as_dict().items() if k != "rows"}
     if loss_multiplier:
         result["loss_by_length"] = loss_by_length(model, tokenizer, texts, block,

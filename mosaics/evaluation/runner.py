@@ -76,7 +76,12 @@ def run_job(job: Job, out: Path, device: str, save_model: bool = False) -> dict[
         print(note, flush=True)
     started = time.time()
     try:
-        if job.task == "regbench":
+        if job.task == "pretrain":
+            from .pretraining import run_pretrain
+
+            results = run_pretrain(job.arch, job.kernel, proto, job.seed, job.kernel_kwargs,
+                                   device, work, job.model_dir, job.label)
+        elif job.task == "regbench":
             results = experiments.run_regbench(job.arch, job.kernel, job.size, proto, job.seed,
                                                job.kernel_kwargs, device, work, save_model,
                                                job.model_dir, progress=False, resume=True,

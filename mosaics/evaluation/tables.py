@@ -206,7 +206,11 @@ def summarize(out: str | Path, plot: bool = True) -> str:
         steps = sorted({rec["results"]["runs"][0]["train"]["steps"] for rec in records
                         if rec["results"]["runs"] and "train" in rec["results"]["runs"][0]})
         title = f"## {task}, preset {setting} ({len(records)} jobs, steps {steps})"
-        if task == "regbench":
+        if task == "pretrain":
+            from .recall_tables import pretrain_markdown
+
+            parts += [title, pretrain_markdown(records)]
+        elif task == "regbench":
             merged = regbench_rows(records)
             parts += [title, "accuracy / TVD on the test automata; mean ± std (seeds) when "
                       "several seeds", regbench_markdown(merged)]
