@@ -61,10 +61,11 @@ def probe(model_dir: str | Path, out: str | Path, source: str | None = None,
           controls: Sequence[str] = CONTROLS, mode: str = "auto", own_prompts: int = 100,
           loss_multiplier: int = 16, loss_windows: int = 4, device: str = "cpu",
           progress: bool = True, corpus_seed: int = 0,
-          block_size: int | None = None) -> dict[str, Any]:
+          block_size: int | None = None, batch_tokens: int = 16384) -> dict[str, Any]:
     """Run the recall report of ``model_dir`` into ``out``; returns ``recall.json``'s content.
     ``block_size``: the training length the lengths are multiples of (default: the config's
-    ``block_size`` or ``n_positions``; a rotary model's config does not record it)."""
+    ``block_size`` or ``n_positions``; a rotary model's config does not record it).
+    ``batch_tokens``: prompts per forward are cut to this many tokens (at least one prompt)."""
     from tqdm.auto import tqdm
 
     from ..data import load_tokenizer
@@ -106,7 +107,8 @@ def probe(model_dir: str | Path, out: str | Path, source: str | None = None,
         else:
             from .needle import run_cell
 
-            cell = run_cell(model, builder, tokenizer, L, d, c, prompts, batch_size, device,
+            rows = max(1, min(batch_size, batch_tokens // L))  # bounded activations
+            cell = run_cell(model, builder, tokenizer, L, d, c, prompts, rows, device,
                             bar.update)
         _write_json(path, cell.as_dict())
         cells.append(cell.as_dict())
