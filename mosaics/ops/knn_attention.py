@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .triton_backend import cdiv, kernel_source, pow2_at_least, triton_module
+from .triton_backend import cdiv, kernel_source, pinned_tiles, pow2_at_least, triton_module
 
 _KERNELS = kernel_source(__file__, "knn_attention")
 MAX_K = 64  # the largest k with a top-k tile (k >= the key count needs none)
@@ -84,18 +84,26 @@ def _on_device(x: Tensor) -> contextlib.AbstractContextManager:
 
 def _config(q: Tensor, v_size: int, k_top: int, S: int) -> dict:
     """Block sizes and flags shared by the forward and backward kernels (the backward must
-    recompute the forward's scores bit for bit, so it uses the same tiles)."""
+    recompute the forward's scores bit for bit, so it takes the forward's). The tiles pinned
+    for "knn" (:func:`~.triton_backend.use_tiles`, ``MOSAICS_TILES``), else 64 x 64 on CUDA
+    (32 x 64 above head size 64), 64 x 64 under the interpreter."""
     select_all = k_top >= S
     k_pad = 2 if select_all else pow2_at_least(k_top, 2)
     wide = max(q.shape[-1], v_size) > 64
     precision = "ieee" if q.dtype == torch.float32 or not q.is_cuda else "native"
     tf32 = q.is_cuda and q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
     products = "tf32" if tf32 else precision  # scores stay exact fp32 (the selection)
-    if q.is_cuda:  # 64 x 64 tiles; 32-row ones for head sizes above 64 (shared memory)
-        base = 32 if wide else 64
+    pinned = pinned_tiles("knn")
+    if pinned is not None:
+        block_m, block_n, warps = pinned["BLOCK_M"], pinned["BLOCK_N"], pinned["num_warps"]
+    elif q.is_cuda:  # 64 x 64 tiles; 32-row ones for head sizes above 64 (shared memory)
+        block_m = block_n = 32 if wide else 64
+        warps = 4
     else:
-        base = _INTERPRETED_BLOCK
-    return {"BLOCK_M": base, "BLOCK_N": max(base, k_pad), "K_PAD": k_pad,
+        block_m = block_n = _INTERPRETED_BLOCK
+        warps = 4
+    return {"BLOCK_M": block_m, "BLOCK_N": max(block_n, k_pad), "K_PAD": k_pad,
+            "num_warps": warps,
             "num_stages": 2 if wide and q.dtype == torch.float32 else 3,  # fp32 tiles: smem
             "SELECT_ALL": select_all, "LOG_K": k_pad.bit_length() - 1,
             "LIBRARY_SORT": q.is_cuda or LIBRARY_SORT_ON_CPU,
@@ -129,6 +137,7 @@ class _KNNAttention(torch.autograd.Function):
                     LOG_N=cfg["BLOCK_N"].bit_length() - 1, **cfg)
         ctx.save_for_backward(q, k, v, beta, out, stats, jt, lo32, hi32)
         ctx.args = (int(offset), k_top, bool(uniform), bounds, lo_stride)
+        ctx.cfg = cfg
         return out
 
     @staticmethod
@@ -139,7 +148,7 @@ class _KNNAttention(torch.autograd.Function):
         B, H, n, hs = q.shape
         S, hv = k.shape[2], v.shape[3]
         mod = triton_module(_KERNELS, q.device)
-        cfg = _config(q, hv, k_top, S)
+        cfg = dict(ctx.cfg)
         for key in ("K_PAD", "SELECT_ALL", "LOG_K", "LIBRARY_SORT"):
             cfg.pop(key)
         pads = {"HS_PAD": pow2_at_least(hs, 16), "HV_PAD": pow2_at_least(hv, 16)}

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .triton_backend import fused_reason, kernel_source, triton_module
+from .triton_backend import fused_reason, kernel_source, pinned_tiles, triton_module
 
 KERNEL_FILE = kernel_source(__file__, "linear_attention")
 CHUNK = 64  # rows per chunk of the fused kernels
@@ -49,6 +49,17 @@ FORWARD_BK = 32
 
 def _backward_bk(dtype: torch.dtype) -> int:
     return 16 if dtype == torch.float32 else 32
+
+
+def _tiles(dtype: torch.dtype) -> tuple[int, int, dict[str, int]]:
+    """(forward BK, backward BK, launch options) of the per-chunk kernels: the tiles pinned
+    for "linear" (:func:`~.triton_backend.use_tiles`, ``MOSAICS_TILES``; the backward takes
+    at most its own BK), else FORWARD_BK, :func:`_backward_bk` and LAUNCH."""
+    pinned = pinned_tiles("linear")
+    if pinned is None:
+        return FORWARD_BK, _backward_bk(dtype), LAUNCH
+    launch = {"num_warps": pinned["num_warps"], "num_stages": pinned["num_stages"]}
+    return pinned["BK"], min(pinned["BK"], _backward_bk(dtype)), launch
 
 
 def _block(n: int, cap: int) -> int:
@@ -125,9 +136,10 @@ def fused_forward(q: Tensor, k: Tensor | None, v: Tensor, eps: float,
     y = torch.empty_like(v3)
     den = q.new_empty(B * H, T, dtype=torch.float32)
     nc = P.shape[1]
+    bk, _, launch = _tiles(q.dtype)
     mod.chunk_forward[(nc, B * H)](q3, k3, v3, P, z, y, den, T, F, D, nc, eps, C=chunk,
-                                   BK=_block(F, FORWARD_BK), BD=_block(D, MAX_VALUE_DIM), **dots,
-                                   **LAUNCH)
+                                   BK=_block(F, bk), BD=_block(D, MAX_VALUE_DIM), **dots,
+                                   **launch)
     return y.view(B, H, T, D), den.view(B, H, T)
 
 
@@ -156,10 +168,10 @@ def fused_backward(q: Tensor, k: Tensor | None, v: Tensor, y: Tensor, den: Tenso
     dk = dq if k is None else torch.empty_like(k3)
     dv = torch.empty_like(v3)
     nc = P.shape[1]
+    _, bk, launch = _tiles(q.dtype)
     mod.chunk_backward[(nc, BH)](q3, k3, v3, dn, dd, P, z, R, r, dq, dk, dv, T, F, D, nc,
-                                 SHARED=k is None, C=chunk, BK=_block(F, _backward_bk(q.dtype)),
-                                 BD=BD, **dots,
-                                 **LAUNCH)
+                                 SHARED=k is None, C=chunk, BK=_block(F, bk), BD=BD, **dots,
+                                 **launch)
     return dq.view(q.shape), None if k is None else dk.view(k.shape), dv.view(v.shape)
 
 

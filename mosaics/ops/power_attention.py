@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .triton_backend import cdiv, kernel_source, pow2_at_least, triton_module
+from .triton_backend import cdiv, kernel_source, pinned_tiles, pow2_at_least, triton_module
 
 KERNELS = kernel_source(__file__, "power_attention")
 NEWTON_STEPS = 30  # cap on the threshold's Newton passes (r >= 1: monotone, 3-6 measured)
@@ -41,14 +41,18 @@ def _r_kind(r: float) -> int:
 
 def _blocks(device: torch.device, d: int, dv: int,
             dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, num_warps) for head size d, value size dv.
-
-    Chosen from sm_90 compiles (``cuobjdump --dump-resource-usage``): bf16/fp16 at 64 x 64,
-    8 warps (64 x 32 for head sizes above 64) use 189-235 registers and no stack in all three
-    kernels; fp32 (three TF32 products per product) spills least at 64 x 32 with 8 warps (16,
-    200 and 480 bytes of stack at head size 64; 64 x 64 with 4 warps: 848-1656)."""
+    """(BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, num_warps) for head size d, value size dv: the
+    tiles pinned for "power" (:func:`~.triton_backend.use_tiles`, ``MOSAICS_TILES``), else
+    this rule, from sm_90 compiles (``cuobjdump --dump-resource-usage``): bf16/fp16 at
+    64 x 64, 8 warps (64 x 32 for head sizes above 64) use 189-235 registers and no stack in
+    all three kernels; fp32 (three TF32 products per product) spills least at 64 x 32 with
+    8 warps (16, 200 and 480 bytes of stack at head size 64; 64 x 64 with 4 warps:
+    848-1656)."""
     bd = pow2_at_least(d, 16)
     bdv = pow2_at_least(dv, 16)
+    pinned = pinned_tiles("power")
+    if pinned is not None:
+        return pinned["BLOCK_M"], pinned["BLOCK_N"], bd, bdv, pinned["num_warps"]
     if device.type != "cuda":
         return 32, 32, bd, bdv, 1  # the interpreter: fewer, larger numpy operations
     wide = dtype == torch.float32 or max(bd, bdv) > 64

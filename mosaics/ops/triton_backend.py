@@ -14,6 +14,12 @@ A Triton kernel module (plain ``@triton.jit`` functions at module level) is load
 suite sets it in ``tests/conftest.py`` on machines without CUDA). A kernel that cannot take
 its fused path where the switch asks for it says why once (:func:`note_path`, logged), and the
 path each kernel took last is kept for ``bench/gpu_check.py`` (:data:`PATHS`).
+
+Tiles: each fused op has a small set of named launch configurations (:data:`TILES`: block
+sizes, warps, stages), all compiled and checked alike; without an override an op picks its
+tiles by its own rule (head size, dtype, device). ``MOSAICS_TILES=power=m128n64w8,knn=m32n64w4``
+in the environment, or :func:`use_tiles` in code, pins one per op (on CPU tensors too, under
+the interpreter), for timing them against each other and keeping the fastest.
 """
 
 from __future__ import annotations
@@ -23,12 +29,42 @@ import importlib.util
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
 from torch import Tensor
 
 ENV_SWITCH = "MOSAICS_FUSED"
+ENV_TILES = "MOSAICS_TILES"
+# op -> {name: launch parameters}. power (the power kernels) and knn: BLOCK_M query rows x
+# BLOCK_N keys per tile (knn: BLOCK_N at least the padded k); linear (FSKA's scan): BK
+# features per tile of the forward (the backward takes at most BK), the chunk rows C being
+# the caller's.
+TILES: dict[str, dict[str, dict[str, int]]] = {
+    "power": {
+        "m64n64w8": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8},
+        "m64n32w8": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8},
+        "m128n64w8": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8},
+        "m128n32w8": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8},
+        "m64n64w4": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4},
+    },
+    "knn": {
+        "m64n64w4": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4},
+        "m32n64w4": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4},
+        "m32n32w4": {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4},
+        "m64n64w8": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8},
+        "m128n64w8": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8},
+    },
+    "linear": {
+        "k32w8s2": {"BK": 32, "num_warps": 8, "num_stages": 2},
+        "k16w8s2": {"BK": 16, "num_warps": 8, "num_stages": 2},
+        "k32w4s2": {"BK": 32, "num_warps": 4, "num_stages": 2},
+        "k16w4s3": {"BK": 16, "num_warps": 4, "num_stages": 3},
+    },
+}
+_PINNED: dict[str, str | None] = {}  # use_tiles() overrides, before the environment's
 PATHS: dict[str, str] = {}  # kernel name -> "fused" / "chunked: <why>" of its last retrieval
 _LOGGED: set[tuple[str, str]] = set()
 logger = logging.getLogger("mosaics.fused")
@@ -96,6 +132,53 @@ def fused_expected(*tensors: Tensor) -> bool:
     fallback is worth a log line)."""
     setting = fused_setting()
     return setting == "always" or (setting == "auto" and tensors[0].device.type == "cuda")
+
+
+def _check_tiles(op: str, name: str, source: str) -> str:
+    if op not in TILES:
+        raise ValueError(f"{source}: no fused op {op!r}; ops: {', '.join(TILES)}")
+    if name not in TILES[op]:
+        raise ValueError(f"{source}: no tiles {name!r} for {op!r}; choose one of "
+                         f"{', '.join(TILES[op])}")
+    return name
+
+
+def _env_tiles() -> dict[str, str]:
+    """``MOSAICS_TILES`` as {op: tile name} (an unknown op or name is an error)."""
+    chosen = {}
+    for item in os.environ.get(ENV_TILES, "").replace(" ", "").split(","):
+        if not item:
+            continue
+        op, sep, name = item.partition("=")
+        if not sep:
+            raise ValueError(f"{ENV_TILES}: {item!r} is not op=name (e.g. power=m128n64w8)")
+        chosen[op] = _check_tiles(op, name, ENV_TILES)
+    return chosen
+
+
+def pinned_tiles(op: str) -> dict[str, int] | None:
+    """The launch parameters pinned for ``op`` (:func:`use_tiles`, else ``MOSAICS_TILES``),
+    or None: the op's own rule."""
+    name = _PINNED[op] if op in _PINNED else _env_tiles().get(op)
+    return None if name is None else TILES[op][name]
+
+
+@contextmanager
+def use_tiles(op: str, name: str | None) -> Iterator[None]:
+    """Run ``op``'s fused kernels with the tiles ``name`` of :data:`TILES` inside the block
+    (None: the op's own rule, whatever the environment says)."""
+    if name is not None:
+        _check_tiles(op, name, "use_tiles")
+    missing = object()
+    before = _PINNED.get(op, missing)
+    _PINNED[op] = name
+    try:
+        yield
+    finally:
+        if before is missing:
+            del _PINNED[op]
+        else:
+            _PINNED[op] = before
 
 
 def cdiv(a: int, b: int) -> int:
