@@ -157,9 +157,12 @@ PRETRAIN_PRESETS = {
     "cpu": PretrainProtocol(),
     "cpu-long": PretrainProtocol(max_steps=3000, multipliers=(1, 2, 4, 8, 16, 32, 64)),
     # GPT-2 small on BabiStories through the SLURM executor: T 512, 100 prompts per cell
+    # (data/README.md: BabiStories' files in data/babistories; a corpus without the story
+    # question, so the probe asks for a passkey)
     "gpu-124m": PretrainProtocol(
-        data_source="BabiStories", tokenizer="gpt2", n_layer=12, n_embd=768, n_head=12,
+        data_source="data/babistories", tokenizer="gpt2", n_layer=12, n_embd=768, n_head=12,
         block_size=512, batch_size=64, max_steps=20000, warmup_steps=1000, eval_interval=1000,
+        train={"lr": 6e-4, "vocab_size": 50257},
         v2_window=256, v2_gap=64, v2_gap_range=(64, 256),
         multipliers=(1, 2, 4, 8, 16, 32, 64), prompts=100),
 }
