@@ -1,5 +1,6 @@
-"""Every fused Triton kernel moves each pointer argument by an int64 offset first, so that
-(batch x head) x stride offsets past 2^31 elements stay right (a compile-level check).
+"""Every fused Triton kernel, with each op's own tiles and every named tile set, lowers to
+Triton IR and moves each pointer argument by an int64 offset first, so that (batch x head) x
+stride offsets past 2^31 elements stay right (a compile-level check).
 
 The ops run on small CPU tensors with Triton's launch replaced by a recorder (no kernel
 runs), so each kernel is seen with the argument types of its real launch; each recorded
@@ -42,9 +43,12 @@ def narrow_pointer_offsets(ttir: str) -> list[str]:
 
 def record_launches() -> list[tuple]:
     """(kernel, positional args, keyword args) of every Triton launch of the fused ops'
-    forward and backward (power, kNN, linear attention) on small CPU tensors."""
+    forward and backward (power, kNN, linear attention) on small CPU tensors: every form
+    with each op's own tiles, then each op once per named tile set."""
     import torch
     from triton.runtime.jit import JITFunction
+
+    from mosaics.ops.triton_backend import TILES, use_tiles
 
     calls = []
 
@@ -59,16 +63,33 @@ def record_launches() -> list[tuple]:
     B, H, n, D = 1, 2, 40, 16
     q, k, v = (torch.randn(B, H, n, D, requires_grad=True) for _ in range(3))
     a = torch.ones(B * H, n, requires_grad=True)
+    beta = torch.ones(H, requires_grad=True)
     lo, hi = torch.zeros(1, n, dtype=torch.long), torch.arange(n).view(1, n) - 1
+
+    def power(kw: dict) -> None:
+        power_attention(q, k, v, a, lo, hi, r=1.0, **kw).sum().backward()
+
+    def knn(uniform: bool) -> None:
+        bounds = (lo.expand(B, n), hi.expand(B, n)) if uniform else (None, None)
+        knn_attention(q, k, v, beta, -1, 4, uniform, *bounds).sum().backward()
+
+    def linear() -> None:
+        with torch.no_grad():
+            y, den = fused_forward(q.abs(), k.abs(), v, 1e-6)
+            fused_backward(q.abs(), k.abs(), v, y, den, torch.randn_like(y))
+
     for kw in ({"entmax": True, "bias": torch.ones(B * H, n)}, {"shift": -1.0},
                {"anchor": 1.0, "shift": -1.0}):
-        power_attention(q, k, v, a, lo, hi, r=1.0, **kw).sum().backward()
-    beta = torch.ones(H, requires_grad=True)
-    knn_attention(q, k, v, beta, -1, 4).sum().backward()
-    knn_attention(q, k, v, beta, -1, 4, True, lo.expand(B, n), hi.expand(B, n)).sum().backward()
-    with torch.no_grad():
-        y, den = fused_forward(q.abs(), k.abs(), v, 1e-6)
-        fused_backward(q.abs(), k.abs(), v, y, den, torch.randn_like(y))
+        power(kw)
+    knn(False)
+    knn(True)
+    linear()
+    runs = {"power": lambda: power({"entmax": True}), "knn": lambda: knn(False),
+            "linear": linear}
+    for op, tiles in TILES.items():
+        for name in tiles:
+            with use_tiles(op, name):
+                runs[op]()
     return calls
 
 
@@ -128,7 +149,7 @@ def test_narrow_offsets_are_found() -> None:
         "%y = tt.addptr %x, %o : tensor<4x!tt.ptr<f32>>, tensor<4xi32>"]
 
 
-@pytest.mark.integration  # a child process; ~15 lowerings to Triton IR, seconds
+@pytest.mark.integration  # a child process; ~80 lowerings to Triton IR, ~20 s
 def test_every_fused_kernel_offsets_its_pointers_in_int64() -> None:
     pytest.importorskip("triton")
     pytest.importorskip("triton.backends.nvidia")

@@ -16,10 +16,12 @@ its fused path where the switch asks for it says why once (:func:`note_path`, lo
 path each kernel took last is kept for ``bench/gpu_check.py`` (:data:`PATHS`).
 
 Tiles: each fused op has a small set of named launch configurations (:data:`TILES`: block
-sizes, warps, stages), all compiled and checked alike; without an override an op picks its
-tiles by its own rule (head size, dtype, device). ``MOSAICS_TILES=power=m128n64w8,knn=m32n64w4``
-in the environment, or :func:`use_tiles` in code, pins one per op (on CPU tensors too, under
-the interpreter), for timing them against each other and keeping the fastest.
+sizes, warps, stages), each checked against the reference under the interpreter and lowered
+to Triton IR (tests/test_ops_tiles.py, tests/test_fused_offsets.py); without an override an
+op picks its tiles by its own rule (head size, dtype, device).
+``MOSAICS_TILES=power=m128n64w8,knn=m32n64w4`` in the environment, or :func:`use_tiles` in
+code, pins one per op (on CPU tensors too, under the interpreter), for timing them against
+each other and keeping the fastest.
 """
 
 from __future__ import annotations
