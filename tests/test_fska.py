@@ -323,7 +323,7 @@ def test_kernel_forward_is_normalized_feature_attention(positive, log_beta):
 
 
 @pytest.mark.parametrize("positive,log_beta", [("elu1", 1.5), ("exp", 1.5), ("exp", 10.0)])
-def test_kernel_extend_matches_forward(positive, log_beta):
+def test_kernel_step_matches_forward(positive, log_beta):
     """Memory entries lag the queries by one (m = n - 1 first, then m = n), any split."""
     torch.manual_seed(8)
     kernel = built_kernel(2, 4, num_features=8, positive=positive, flow_hidden=8,

@@ -353,7 +353,7 @@ def assert_close_per_head(got, want, atol):
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_extend_equals_forward(name, dtype):
+def test_step_equals_forward(name, dtype):
     keys = unit_keys(2, 3, 11, 5, seed=12, dtype=dtype)
     values = values_like(keys)
     beta = torch.tensor([2.0, 7.39, 40.0], dtype=dtype)
