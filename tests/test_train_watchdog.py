@@ -41,10 +41,12 @@ class Stall(Hook):
 
     def __init__(self) -> None:
         self.released = threading.Event()
+        self.since: float | None = None
 
     def on_step_end(self, trainer, step, metrics) -> None:
         if step == 2:
-            self.released.wait(30)
+            self.since = time.monotonic()
+            self.released.wait(60)
 
 
 def test_stalled_step_ends_with_stacks_and_status(tmp_path):
@@ -68,12 +70,11 @@ def test_stalled_step_ends_with_stacks_and_status(tmp_path):
     trainer = Trainer(cfg, model, probe, [], hooks=[stall, *hooks],
                       accelerator=make_accelerator(cfg, "cpu"))
     probe.attach(trainer)
-    start = time.monotonic()
     with stopping(hooks):
         trainer.fit()
     trainer.close()
     assert [s for s, _ in exits] == [EXIT_STALLED]
-    assert exits[0][1] - start < 0.5 + 10  # fired within the limit plus polling
+    assert exits[0][1] - stall.since < 0.5 + 20  # the limit, polling and a loaded machine
     stacks = (tmp_path / "watchdog" / "stacks_rank0.txt").read_text()
     assert "on_step_end" in stacks and "test_train_watchdog.py" in stacks  # the stalled frame
     assert watchdog.message.startswith("watchdog: rank 0 made no progress for")
@@ -111,7 +112,7 @@ def test_sigstopped_gloo_rank_is_named_and_the_run_requeues(tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     assert proc.returncode == EXIT_STALLED, err[-3000:]
-    assert time.monotonic() - stopped < 6 + 10 + 5 + 15  # limit, polling, grace, slack
+    assert time.monotonic() - stopped < 6 + 5 + 40  # limit, grace, a loaded machine
     lines = [x for x in err.splitlines() if x.startswith("watchdog: rank 0")]
     assert len(lines) == 1 and f"rank 1 (pid {pid}" in lines[0] and "stopped responding" \
         in lines[0], err[-3000:]

@@ -81,6 +81,8 @@ class Watchdog(Hook):
         self.progress = time.time()
         if self._thread is None:
             self.folder.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):  # an earlier attempt's verdict
+                (self.folder / f"stalled_rank{self.rank}.txt").unlink(missing_ok=True)
             self._write()
             self._thread = threading.Thread(target=self._watch, name="mosaics-watchdog",
                                             daemon=True)
