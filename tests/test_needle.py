@@ -195,3 +195,26 @@ def test_the_command_names_a_missing_tokenizer_and_split(tok, tmp_path, capsys):
                  str(tmp_path / "r")]) == 0
     res = json.loads((tmp_path / "r" / "recall.json").read_text())
     assert res["block_size"] == BLOCK and len(res["cells"]) == 3
+
+
+@pytest.mark.integration
+def test_a_pretrain_job_trains_saves_and_reports(tmp_path):
+    from mosaics.evaluation.jobs import make_job
+    from mosaics.evaluation.recall_tables import pretrain_markdown
+    from mosaics.evaluation.runner import run_job
+
+    tiny = dict(max_steps=3, eval_interval=3, warmup_steps=1, n_layer=1, n_embd=32, n_head=2,
+                block_size=96, multipliers=[1, 2], depths=[1.0], prompts=2, facts=1,
+                own_prompts=2, loss_multiplier=2, train={"num_train_stories": 300})
+    records = [run_job(make_job("pretrain", model, 0, preset="cpu", overrides=tiny), tmp_path,
+                       "cpu") for model in ("mosaics/gaussian", "gpt2")]
+    for rec in records:
+        run = rec["results"]["runs"][0]
+        assert run["train"]["steps"] == 3 and run["train"]["val_loss"] > 0
+        assert (tmp_path / "jobs" / rec["job"]["name"] / "run" / "final" / "tokenizer.json"
+                ).is_file()
+        assert len(run["recall"]["cells"]) == 2 * 3
+    table = pretrain_markdown(records)
+    assert "| gpt2 | " in table and "| mosaics/gaussian | " in table
+    gpt2_row = next(line for line in table.splitlines() if line.startswith("| gpt2 |"))
+    assert gpt2_row.split(" | ")[2] == "n/a"  # 2x: past its 96 learned positions
