@@ -156,3 +156,28 @@ def test_lm_eval_tasks_on_the_live_model(tmp_path, story_tokenizer, monkeypatch)
     (row,) = [r for r in rows if "eval/lm_eval/mosaics_toy_choice/acc" in r]
     assert 0.0 <= row["eval/lm_eval/mosaics_toy_choice/acc"] <= 1.0
     assert _losses(rows) == _losses(plain)
+
+
+@pytest.mark.integration
+def test_evaluations_on_two_gloo_ranks_do_not_deadlock(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    settings = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=2, max_steps=4,
+                    num_train_stories=200, vocab_size=300, eval_interval=2, eval_windows=4,
+                    eval_batch_size=2, log_interval=1, checkpoint_interval=2,
+                    progress_bar=False, sample_tokens=0, save_final=False,
+                    data_cache_dir=str(tmp_path / "cache"), run_dir=str(run_dir),
+                    evals="{position_loss: 2, sample: {interval: 2, tokens: 4}, "
+                          "recall: {interval: 4, prompts: 2}}")
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="0")
+    done = subprocess.run([sys.executable, "-m", "mosaics", "train", "--nproc", "2",
+                           *(f"{k}={v}" for k, v in settings.items())], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    four = {k: v for r in rows if r["step"] == 4 for k, v in r.items()}
+    assert four["eval/position_loss/loss"] == pytest.approx(four["val/loss"], rel=1e-5)
+    assert "eval/sample/text" in four and four["eval/recall/prompts_scored"] == 2.0
