@@ -71,6 +71,12 @@ def _fit(tmp: Path, tok, evals: dict, extra: list[Evaluation] = ()):
     return result, rows, hooks
 
 
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, story_tokenizer):
+    """The rows of the same run without evaluations."""
+    return _fit(tmp_path_factory.mktemp("plain"), story_tokenizer, {})[1]
+
+
 def _losses(rows: list[dict]) -> list[tuple[int, float]]:
     return [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r] + \
         [(r["step"], r["val/loss"]) for r in rows if "val/loss" in r]
@@ -92,10 +98,9 @@ def test_parse_evals_shorthand_and_one_line_errors():
     assert load_config(overrides={"evals": "{recall: 3}"}).evals == {"recall": 3}
 
 
-def test_evaluations_leave_training_losses_identical(tmp_path, story_tokenizer):
+def test_evaluations_leave_training_losses_identical(tmp_path, story_tokenizer, plain):
     evals = {"position_loss": {"interval": 2, "buckets": 3}, "sample": 2,
              "recall": {"interval": 4, "prompts": 3}}
-    _, plain, _ = _fit(tmp_path / "plain", story_tokenizer, {})
     result, rows, hooks = _fit(tmp_path / "evals", story_tokenizer, evals)
     assert _losses(rows) == _losses(plain)  # exactly: same RNG draws, same train mode
     evaluated = {r["step"]: r for r in rows if any(k.startswith("eval/") for k in r)}
@@ -122,8 +127,7 @@ class Broken(Evaluation):
 
 
 def test_failing_evaluation_logs_one_line_and_training_goes_on(tmp_path, story_tokenizer,
-                                                                  capsys):
-    _, plain, _ = _fit(tmp_path / "plain", story_tokenizer, {})
+                                                                  capsys, plain):
     capsys.readouterr()
     result, rows, hooks = _fit(tmp_path / "broken", story_tokenizer, {"sample": 2},
                                [Broken(EvalSpec("broken", 2))])
@@ -145,12 +149,11 @@ def test_time_budget_stops_an_evaluation_early(tmp_path, story_tokenizer):
 
 
 @pytest.mark.integration
-def test_lm_eval_tasks_on_the_live_model(tmp_path, story_tokenizer, monkeypatch):
+def test_lm_eval_tasks_on_the_live_model(tmp_path, story_tokenizer, monkeypatch, plain):
     pytest.importorskip("lm_eval")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     evals = {"lm_eval": {"interval": 4, "tasks": ["mosaics_toy_choice"], "limit": 4,
                          "include_path": str(TASKS), "budget_s": 300}}
-    _, plain, _ = _fit(tmp_path / "plain", story_tokenizer, {})
     _, rows, hooks = _fit(tmp_path / "lm", story_tokenizer, evals)
     assert not hooks[0].failures
     (row,) = [r for r in rows if "eval/lm_eval/mosaics_toy_choice/acc" in r]
