@@ -28,15 +28,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 
-# the tiny model and its run (the stored curves depend on every value here)
-SETUP: dict[str, Any] = {"vocab_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 64,
+# the tiny model and its run (the stored curves depend on every value here); head size 64,
+# as the kernel sections', so that their warmed Triton compiles serve it too
+SETUP: dict[str, Any] = {"vocab_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 128,
                          "block_size": 128, "batch": 8, "segment": 16, "steps": 50,
                          "lr": 5e-3, "warmup": 5, "grad_clip": 1.0, "seed": 0}
 # a GPU run (fused kernels, bf16 autocast) passes when every step's loss is within ATOL +
 # RTOL * golden of the CPU fp32 curve and the mean |difference| over the steps is at most
-# MEAN. The same runs under CPU bf16 autocast drift by at most 0.105 at a step and 0.021 on
-# average (epanechnikov_fixed; 0.0005-0.008 for the others: ``cpu_bf16_drift`` in each file)
-TOLERANCE: dict[str, float] = {"atol": 0.15, "rtol": 0.05, "mean": 0.06}
+# MEAN: about 10x the drift of the same runs under CPU bf16 autocast (at most 0.025 at a step
+# and 0.0043 on average over the kernels: ``cpu_bf16_drift`` in each file)
+TOLERANCE: dict[str, float] = {"atol": 0.10, "rtol": 0.03, "mean": 0.04}
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 

@@ -31,8 +31,9 @@ the next one starts. In order:
    baseline in the final table).
 7. ``throughput``: training tokens/s of Memory Mosaics against a GPT-2 of the same size with
    SDPA at the 124M shape, bf16 autocast, eager and ``torch.compile``d, with MFU.
-8. ``deepspeed``: ``train.py`` under DeepSpeed ZeRO-2 bf16 on one GPU, checkpointed half way
-   and resumed; the resumed losses must equal the uninterrupted ones.
+8. ``deepspeed``: ``train.py`` under DeepSpeed ZeRO-2 bf16 on one GPU (a tiny model;
+   ``--ds-full``: the 124M recipe), checkpointed half way and resumed; the resumed losses
+   must equal the uninterrupted ones.
 
 Every row is appended to ``<out>/rows.jsonl`` (flushed) as soon as it is measured, so a
 stopped section keeps its rows; ``<out>/gpu_check.json`` is written after every section. The
@@ -703,8 +704,9 @@ def golden(args: argparse.Namespace) -> list[dict[str, Any]]:
 def deepspeed_settings(args: argparse.Namespace) -> list[str]:
     """The run of the DeepSpeed section: the 124M recipe (``configs/babistories_124m.yaml``:
     12 layers, d 768, 12 heads, T 512, 32 windows a step, dropout 0.05) on the bundled story
-    corpus with its own BPE, one optimizer step per batch, bf16; tiny with ``--quick``."""
-    if args.quick:
+    corpus with its own BPE, one optimizer step per batch, bf16, with ``--ds-full``; else a tiny
+    model (2 layers, d 64: the check is the exact resume, within the section's minute)."""
+    if args.quick or not args.ds_full:
         size = ["n_layer=2", "n_head=4", "n_embd=64", "block_size=64", "batch_size=4",
                 "num_train_stories=400", "vocab_size=512", "eval_windows=8",
                 "eval_batch_size=4"]
@@ -852,8 +854,8 @@ DEFAULT_SECTIONS = ["tests", "warm", "kernels_bf16", "adasplash", "golden", "ker
 DRY_RUN_SECTIONS = ["warm", "kernels_bf16", "adasplash", "golden", "kernels_fp32"]
 # seconds each section may take on a GPU (600 in all); a section past its limit is stopped
 # and recorded with what it left behind, and the next one starts
-BUDGETS = {"tests": 150, "warm": 60, "kernels_bf16": 120, "adasplash": 45, "golden": 60,
-           "kernels_fp32": 60, "throughput": 60, "deepspeed": 45, "kernels": 160}
+BUDGETS = {"tests": 150, "warm": 50, "kernels_bf16": 120, "adasplash": 60, "golden": 50,
+           "kernels_fp32": 60, "throughput": 60, "deepspeed": 50, "kernels": 160}
 TOTAL_BUDGET = 600
 QUICK_BUDGET = 600
 
@@ -944,7 +946,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "4096)")
     p.add_argument("--adasplash-lengths", type=int, nargs="+", help="adasplash (default 4096 "
                    "16384)")
-    p.add_argument("--adasplash-configs", type=int, default=4, help="adasplash: configurations "
+    p.add_argument("--adasplash-configs", type=int, default=2, help="adasplash: configurations "
                    "left to each autotuner")
     p.add_argument("--warm-workers", type=int, help="warm: processes at a time (default: "
                    "CPU count, at most 8)")
@@ -953,6 +955,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ds-steps", type=int, help="deepspeed: steps of the uninterrupted run, "
                    "checkpointed half way (default 12)")
     p.add_argument("--ds-compile", action="store_true", help="deepspeed: compile=true")
+    p.add_argument("--ds-full", action="store_true", help="deepspeed: the 124M recipe (give "
+                   "the section several minutes: --budget deepspeed=300)")
     p.add_argument("--budget", nargs="+", metavar="SECTION=SECONDS",
                    help=f"time limits of the sections (default {BUDGETS})")
     p.add_argument("--total-budget", type=float, help=f"seconds for the whole run (default "

@@ -112,3 +112,14 @@ def test_adasplash_autotuners_are_cut(gpu_check, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "adasplash_stub", stub)
     assert gpu_check.trim_autotune(2) == 1
     assert len(tuned.configs) == 2
+
+
+def test_sdpa_baseline_is_the_gaussian_kernel(gpu_check) -> None:
+    """The forced-backend baseline computes the Gaussian kernel's rows 1.. (flash runs on CPU
+    too; cuDNN only on CUDA)."""
+    from mosaics import get_kernel
+
+    keys, values = gpu_check.check_keys(100, 2, 16)
+    beta = torch.full((2,), gpu_check.BETA)
+    expected = get_kernel("gaussian")(keys, values, beta)[:, :, 1:]
+    torch.testing.assert_close(gpu_check.SdpaBaseline("flash")(keys, values, beta), expected)
