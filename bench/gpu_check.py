@@ -547,6 +547,13 @@ def warm(args: argparse.Namespace) -> list[dict[str, Any]]:
     all stopped at ``args.warm_timeout`` seconds: Triton's cache is on disk and shared, so
     the timed sections find every kernel compiled."""
     jobs = warm_jobs(args)
+    if getattr(args, "warm_in_process", False):  # the dry run: no process start-ups
+        rows = []
+        for spec in jobs:
+            row = warm_one(spec, args)
+            rows.append(row)
+            emit(args, "warm", row)
+        return rows
     folder = Path(args.out) / "warm"
     folder.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.warm_timeout
@@ -990,6 +997,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.warm_dtypes = ["bf16", "fp32"] if cuda else ["fp32"]
     args.warm_workers = args.warm_workers or max(1, min(8, os.cpu_count() or 1))
     args.warm_limit = 2 if args.dry_run else 0
+    args.warm_in_process = args.dry_run
     args.golden_steps = args.golden_steps or (2 if args.dry_run else 50)
     args.ds_steps = args.ds_steps or (12 if big else 8)
     args.ds_vocab = 8192

@@ -123,3 +123,14 @@ def test_sdpa_baseline_is_the_gaussian_kernel(gpu_check) -> None:
     beta = torch.full((2,), gpu_check.BETA)
     expected = get_kernel("gaussian")(keys, values, beta)[:, :, 1:]
     torch.testing.assert_close(gpu_check.SdpaBaseline("flash")(keys, values, beta), expected)
+
+
+@pytest.mark.integration
+def test_warm_compiles_each_variant_in_its_own_process(gpu_check, tmp_path: Path) -> None:
+    args = gpu_check.parse_args(["--device", "cpu", "--quick", "--out", str(tmp_path),
+                                 "--kernels", "relumax", "fska", "--warm-workers", "2"])
+    rows = gpu_check.warm(args)
+    assert {(r["kernel"], r["dtype"]) for r in rows} == {("relumax", "fp32"), ("fska", "fp32"),
+                                                         ("fska-op", "fp32")}
+    assert all("error" not in r and r["warm_s"] > 0 for r in rows), rows
+    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 3
