@@ -116,6 +116,7 @@ def test_a_model_that_reads_the_fact_scores_one_and_without_it_chance(tok, texts
     for depth in (0.0, 0.5, 1.0):
         cell = run_cell(model, b, tok, 4 * BLOCK, depth, None, 12, batch_size=5)
         assert cell.exact_match == 1.0 and cell.top1 == 1.0 and cell.mean_rank == 1.0
+        assert cell.distractor == 0.0
     none = run_cell(model, b, tok, 4 * BLOCK, None, "no_gold", 240, batch_size=40)
     assert none.chance == pytest.approx(1 / 12)
     assert 0.02 <= none.top1 <= 0.16  # chance 1/12 among the candidates (random logits)

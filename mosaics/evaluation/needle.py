@@ -55,8 +55,9 @@ class NeedleError(ValueError):
 class NeedlePrompt:
     """One prompt: ``ids`` (exactly ``length`` tokens), the gold ``answer`` and the
     ``candidates`` it is ranked among (gold included); ``gold_at``: token index where the gold
-    fact starts (None for the no-gold control); ``depth``: the depth asked for (None for a
-    control), ``control``: None, "no_gold" or "recent"."""
+    fact starts (None for the no-gold control), ``facts_at`` where the others start and
+    ``others`` their answers; ``depth``: the depth asked for (None for a control),
+    ``control``: None, "no_gold" or "recent"."""
 
     ids: list[int]
     answer: str
@@ -67,6 +68,7 @@ class NeedlePrompt:
     control: str | None
     gold_at: int | None
     facts_at: list[int] = field(default_factory=list)
+    others: list[str] = field(default_factory=list)  # the other facts' answers
 
 
 def detect_mode(texts: Sequence[str]) -> str:
@@ -124,8 +126,8 @@ class NeedleBuilder:
     # --- the facts of one (length, index) --------------------------------------------------
 
     def _facts(self, rng: random.Random
-               ) -> tuple[list[list[int]], str, list[str], list[int], set[str]]:
-        """(fact token lists with the gold first, gold answer, candidates, question tokens,
+               ) -> tuple[list[list[int]], list[str], list[str], list[int], set[str]]:
+        """(fact token lists with the gold first, their answers, candidates, question tokens,
         words no haystack document may hold: the answer and the facts' objects)."""
         if self.mode == "story":
             objects: list[str] = []
@@ -141,14 +143,14 @@ class NeedleBuilder:
                     question = q
             ids = [self.encode(" " + t) for t in texts]
             q_ids = self.encode(" " + question_lead(rng) + question)
-            return ids, colours[0], list(COLOURS), q_ids, {colours[0], *objects}
+            return ids, colours, list(COLOURS), q_ids, {colours[0], *objects}
         names = [str(k) for k in rng.sample(range(10000, 100000), max(12, self.facts))]
         ids = [self.encode(f" The pass key is {names[0]}. Remember it. {names[0]} is the "
                            "pass key.")]
         ids += [self.encode(f" The spare key is {k}. {k} is the spare key.")
                 for k in names[1: self.facts]]
         q_ids = self.encode(" What is the pass key? The pass key is")
-        return ids, names[0], names[:12], q_ids, set()
+        return ids, names[: self.facts], names[:12], q_ids, set()
 
     def _haystack(self, rng: random.Random, n: int, banned: set[str]) -> list[list[int]]:
         """Sentence units totalling exactly ``n`` tokens."""
@@ -188,7 +190,8 @@ class NeedleBuilder:
         if depth is not None and not 0.0 <= depth <= 1.0:
             raise NeedleError(f"depth must be in [0, 1], got {depth}")
         rng = random.Random(f"needle-{self.seed}-{length}-{index}")
-        facts, answer, candidates, question, banned = self._facts(rng)
+        facts, answers, candidates, question, banned = self._facts(rng)
+        answer = answers[0]
         gold, others = facts[0], facts[1:]
         use_gold = control != "no_gold"
         fixed = len(question) + sum(map(len, others)) + (len(gold) if use_gold else 0)
@@ -233,7 +236,7 @@ class NeedleBuilder:
         ids = [t for p in pieces for t in p] + question
         assert len(ids) == length, (len(ids), length)
         return NeedlePrompt(ids, answer, candidates, length, index, depth, control, gold_at,
-                            facts_at)
+                            facts_at, answers[1:])
 
 
 def _trim_front(units: list[list[int]], n: int) -> list[list[int]]:
@@ -274,9 +277,10 @@ def score_prompts(model: nn.Module, prompts: Sequence[NeedlePrompt], tokenizer: 
         text = tokenizer.decode(greedy).strip()
         words = _WORD.findall(text)
         gold = p.candidates.index(p.answer)
-        rank = 1 + sum(s > scores[gold] for s in scores)
+        rank = 1 + sum(s >= scores[gold] for i, s in enumerate(scores) if i != gold)  # ties lose
         results.append({"index": p.index, "answer": p.answer,
                         "greedy": text, "exact_match": bool(words) and words[0] == p.answer,
+                        "distractor": bool(words) and words[0] in p.others,
                         "rank": rank, "gold_at": p.gold_at})
     return results
 
@@ -328,6 +332,7 @@ class Cell:
     exact_match: float | None = None
     top1: float | None = None
     mean_rank: float | None = None
+    distractor: float | None = None  # share of greedy answers that name another fact's answer
     chance: float = 1 / 12
     status: str = "ok"
     rows: list[dict[str, Any]] = field(default_factory=list)
@@ -357,6 +362,7 @@ def run_cell(model: nn.Module, builder: NeedleBuilder, tokenizer: Any, length: i
     cell.exact_match = sum(r["exact_match"] for r in cell.rows) / n
     cell.top1 = sum(r["rank"] == 1 for r in cell.rows) / n
     cell.mean_rank = sum(r["rank"] for r in cell.rows) / n
+    cell.distractor = sum(r["distractor"] for r in cell.rows) / n
     cell.chance = 1 / len(built[0].candidates)
     return cell
 

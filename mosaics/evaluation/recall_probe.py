@@ -177,6 +177,19 @@ def markdown(result: dict[str, Any]) -> str:
         rows.setdefault(name, {})[c["length"]] = "n/a" if val.startswith("n/a") else val
     for name, by_len in rows.items():
         lines.append(f"| {name} | " + " | ".join(by_len.get(L, "") for L in lengths) + " |")
+    share: dict[str, dict[int, list[float]]] = {}
+    for c in cells:
+        if c["status"] == "ok" and c.get("distractor") is not None:
+            name = "no gold" if c["control"] == "no_gold" else "gold present"
+            share.setdefault(name, {}).setdefault(c["length"], []).append(c["distractor"])
+    if share:
+        lines += ["", "share of greedy answers naming another fact's answer (the wrong key "
+                      "retrieved), mean over the cells of a length:", "", head.replace(
+                          "gold at", "prompts"), "|---" * (len(lengths) + 1) + "|"]
+        for name, by_len in share.items():
+            lines.append(f"| {name} | " + " | ".join(
+                _fmt(float(np.mean(by_len[L]))) if L in by_len else "n/a" for L in lengths)
+                + " |")
     own = result.get("own_question")
     if own:
         lines += ["", f"the corpus's own question (single stories, {own['prompts']} prompts): "
