@@ -617,12 +617,15 @@ def trim_autotune(max_configs: int) -> int:
         if not mod_name.startswith("adasplash") or module is None:
             continue
         for value in list(vars(module).values()):
-            if isinstance(value, Autotuner):
-                value.configs = value.configs[:max_configs]
-                for attr, short in (("num_warmups", 5), ("num_reps", 20)):
-                    if getattr(value, attr, None) is not None:
-                        setattr(value, attr, short)
-                changed += 1
+            for _ in range(4):  # an autotuner may sit under other decorators (heuristics)
+                if isinstance(value, Autotuner):
+                    value.configs = value.configs[:max_configs]
+                    for attr, short in (("num_warmups", 5), ("num_reps", 20)):
+                        if getattr(value, attr, None) is not None:
+                            setattr(value, attr, short)
+                    changed += 1
+                    break
+                value = getattr(value, "fn", None)
     return changed
 
 

@@ -107,11 +107,14 @@ def test_adasplash_autotuners_are_cut(gpu_check, monkeypatch) -> None:
 
     tuned = triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (1, 2, 4, 8)],
                             key=[])(triton.jit(body))
+    under = triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (1, 2, 4)],
+                            key=[])(triton.jit(body))
     stub = types.ModuleType("adasplash_stub")
     stub.kernel = tuned
+    stub.wrapped = triton.heuristics({"X": lambda args: 1})(under)
     monkeypatch.setitem(sys.modules, "adasplash_stub", stub)
-    assert gpu_check.trim_autotune(2) == 1
-    assert len(tuned.configs) == 2
+    assert gpu_check.trim_autotune(2) == 2
+    assert len(tuned.configs) == 2 and len(under.configs) == 2
 
 
 def test_sdpa_baseline_is_the_gaussian_kernel(gpu_check) -> None:
