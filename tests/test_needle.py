@@ -191,6 +191,14 @@ def test_the_command_names_a_missing_tokenizer_and_split(tok, tmp_path, capsys):
         main(["needle", str(model_dir), "--data", str(tmp_path / "corpus" / "train.txt"),
               "--no-progress"])
     assert "no validation split" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["needle", str(model_dir), "--model-set", "no_such_field=1", "--no-progress"])
+    assert "no field 'no_such_field'" in capsys.readouterr().err
+    assert main(["needle", str(model_dir), "--lengths", "1", "--depths", "1", "--prompts", "2",
+                 "--facts", "1", "--loss-multiplier", "0", "--no-progress", "--out",
+                 str(tmp_path / "gap"), "--model-set", "long_term_gap=1000000000"]) == 0
+    gap = json.loads((tmp_path / "gap" / "recall.json").read_text())
+    assert gap["config_changes"] == {"long_term_gap": 1000000000}
     assert main(["needle", str(model_dir), "--lengths", "1", "--depths", "1", "--prompts", "2",
                  "--facts", "1", "--loss-multiplier", "0", "--no-progress", "--out",
                  str(tmp_path / "r")]) == 0

@@ -411,6 +411,10 @@ def _needle_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=positive_int, default=None,
                    help="the training length (default: the config's block_size / n_positions; "
                         "needed for rotary models, whose config does not record it)")
+    p.add_argument("--model-set", dest="config_changes", type=setting_arg, action="append",
+                   default=[], metavar="KEY=VALUE",
+                   help="change a field of the saved config first (a test-time ablation), e.g. "
+                        "--model-set long_term_gap=1000000000 (v2 without its long-term memory)")
     p.add_argument("--loss-multiplier", type=int, default=16,
                    help="loss by position in windows of this many training lengths (0: skip)")
     p.add_argument("--batch-size", type=positive_int, default=8)
@@ -422,10 +426,11 @@ def _needle_parser(p: argparse.ArgumentParser) -> None:
 
 
 def needle_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    check_model_dirs(p, [args.model])
+    check_model_dirs(p, [args.model], args.config_changes)
     if any(not 0 <= d <= 1 for d in args.depths):
         p.error(f"--depths must lie in [0, 1], got {args.depths}")
     from ..data.loading import DataError
+    from ..errors import InputError
     from . import recall_probe
     from .needle import CONTROLS, NeedleError
 
@@ -438,8 +443,8 @@ def needle_command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             args.seed, args.batch_size, () if args.no_controls else CONTROLS, args.mode,
             loss_multiplier=args.loss_multiplier, device=device,
             progress=not args.no_progress, corpus_seed=args.corpus_seed,
-            block_size=args.block_size)
-    except (NeedleError, DataError, OSError) as err:
+            block_size=args.block_size, config_changes=dict(args.config_changes))
+    except (NeedleError, DataError, InputError, OSError) as err:
         p.error(str(err))
     print(recall_probe.markdown(result))
     print(f"results: {out / 'recall.json'} (cells: {out / 'cells'})\n"

@@ -61,11 +61,14 @@ def probe(model_dir: str | Path, out: str | Path, source: str | None = None,
           controls: Sequence[str] = CONTROLS, mode: str = "auto", own_prompts: int = 100,
           loss_multiplier: int = 16, loss_windows: int = 4, device: str = "cpu",
           progress: bool = True, corpus_seed: int = 0,
-          block_size: int | None = None, batch_tokens: int = 16384) -> dict[str, Any]:
+          block_size: int | None = None, batch_tokens: int = 16384,
+          config_changes: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run the recall report of ``model_dir`` into ``out``; returns ``recall.json``'s content.
     ``block_size``: the training length the lengths are multiples of (default: the config's
     ``block_size`` or ``n_positions``; a rotary model's config does not record it).
-    ``batch_tokens``: prompts per forward are cut to this many tokens (at least one prompt)."""
+    ``batch_tokens``: prompts per forward are cut to this many tokens (at least one prompt).
+    ``config_changes``: fields of the saved config changed before scoring (a test-time
+    ablation, e.g. ``{"long_term_gap": 10**9}``: a v2 model without its long-term memory)."""
     from tqdm.auto import tqdm
 
     from ..data import load_tokenizer
@@ -79,7 +82,7 @@ def probe(model_dir: str | Path, out: str | Path, source: str | None = None,
         raise NeedleError(f"{model_dir} holds no tokenizer (tokenizer.json); the probe needs "
                           "the model's own: save it beside the model (the trainer's final/ "
                           "has it)") from None
-    model = models.load_model(model_dir, device)
+    model = models.load_model(model_dir, device, config_changes)
     block = int(block_size or getattr(model.config, "block_size", 0)
                 or getattr(model.config, "n_positions", 0))
     if block <= 0:
@@ -114,7 +117,8 @@ def probe(model_dir: str | Path, out: str | Path, source: str | None = None,
         cells.append(cell.as_dict())
     bar.close()
     result: dict[str, Any] = {
-        "model": str(model_dir), "mode": builder.mode, "block_size": block, "facts": facts,
+        "model": str(model_dir), "config_changes": dict(config_changes or {}),
+        "mode": builder.mode, "block_size": block, "facts": facts,
         "prompts_per_cell": prompts, "seed": seed, "chance": cells[0]["chance"] if cells else None,
         "cells": [{k: v for k, v in c.items() if k != "rows"} for c in cells]}
     if records is not None and builder.mode == "story" and own_prompts > 0:
