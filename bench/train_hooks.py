@@ -2,25 +2,30 @@
 in-loop evaluations, as a ratio of the time per step of the same run without them, in one
 process (the variants alternate round by round, so machine noise hits all alike).
 
-    OMP_NUM_THREADS=2 python bench/train_hooks.py                  # the default model
+    OMP_NUM_THREADS=1 python bench/train_hooks.py --clock cpu       # the default model
     OMP_NUM_THREADS=1 python bench/train_hooks.py --tiny --steps 8  # a smoke run
 
 Variants: ``bare`` (no hooks), ``metrics`` (``system_metrics``), ``evals`` (metrics plus
 ``position_loss``, ``sample`` and ``recall`` every ``--eval-interval`` steps; their cost is
 spread over the steps between), ``watchdog`` (metrics plus the watchdog). Each fit trains
 ``--steps`` steps on windows of generated stories; the table gives the median seconds per step
-over ``--rounds`` rounds and the ratio to ``bare``.
+over ``--rounds`` rounds (after one discarded warm-up fit) and the ratio to ``bare``, then the
+evaluations' own seconds per call (``eval/<name>/seconds``) and the ratio they imply at the
+default ``eval_interval`` of 50 steps. ``--clock cpu`` counts the process's CPU time (steadier
+on a shared machine; use one thread).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from timing import add_clock_option, get_clock
 
 from mosaics.data.storygen import generate_stories
 from mosaics.data.tokenizer import train_bpe_tokenizer
@@ -60,7 +65,8 @@ def variant_settings(name: str, interval: int) -> dict:
 
 
 def seconds_per_step(name: str, base: dict, tok, stream: torch.Tensor, work: Path,
-                     interval: int) -> float:
+                     interval: int, clock) -> tuple[float, dict[str, float]]:
+    """(seconds per step of one fit, {evaluation: seconds per call})."""
     cfg = TrainConfig(**base, run_dir=str(work / f"{name}-{time.time_ns()}"),
                       **variant_settings(name, interval))
     torch.manual_seed(0)
@@ -73,12 +79,17 @@ def seconds_per_step(name: str, base: dict, tok, stream: torch.Tensor, work: Pat
                       accelerator=make_accelerator(cfg, "cpu"))
     probe.attach(trainer)
     trainer.setup()
-    start = time.perf_counter()
+    start = clock()
     with stopping(hooks):
         trainer.fit()
-    seconds = time.perf_counter() - start
+    seconds = clock() - start
     trainer.close()
-    return seconds / cfg.max_steps
+    calls: dict[str, list[float]] = {}
+    for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines():
+        for key, value in json.loads(line).items():
+            if key.startswith("eval/") and key.endswith("/seconds"):
+                calls.setdefault(key.split("/")[1], []).append(value)
+    return seconds / cfg.max_steps, {k: statistics.median(v) for k, v in calls.items()}
 
 
 def main() -> None:
@@ -88,7 +99,9 @@ def main() -> None:
     parser.add_argument("--eval-interval", type=int, default=10)
     parser.add_argument("--tiny", action="store_true", help="1 layer, d 32, T 64")
     parser.add_argument("--variants", nargs="+", default=["bare", "metrics", "evals", "watchdog"])
+    add_clock_option(parser)
     args = parser.parse_args()
+    clock = get_clock(args.clock)
     texts = generate_stories(400, seed=1)
     tok = train_bpe_tokenizer(texts, vocab_size=512 if args.tiny else 4096)
     stream = torch.tensor(tok(" ".join(texts)).input_ids)
@@ -97,21 +110,33 @@ def main() -> None:
     if args.tiny:
         base.update(n_layer=1, n_head=2, n_embd=32, block_size=64, batch_size=4)
     times: dict[str, list[float]] = {name: [] for name in args.variants}
+    calls: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as work:
+        seconds_per_step("bare", dict(base, max_steps=2), tok, stream, Path(work),
+                         args.eval_interval, clock)  # warm-up, discarded
         for _ in range(args.rounds):
             for name in args.variants:
-                times[name].append(seconds_per_step(name, base, tok, stream, Path(work),
-                                                    args.eval_interval))
+                step, evals = seconds_per_step(name, base, tok, stream, Path(work),
+                                               args.eval_interval, clock)
+                times[name].append(step)
+                for key, value in evals.items():
+                    calls.setdefault(key, []).append(value)
     cfg = TrainConfig(**base)
     print(f"model: {cfg.n_layer} layers, d {cfg.n_embd}, T {cfg.block_size}, batch "
           f"{cfg.batch_size}; {args.steps} steps x {args.rounds} rounds, evaluations every "
-          f"{args.eval_interval} steps; torch threads {torch.get_num_threads()}")
+          f"{args.eval_interval} steps; torch threads {torch.get_num_threads()}; "
+          f"{args.clock} clock")
     bare = statistics.median(times["bare"]) if "bare" in times else None
     print(f"{'variant':<10} {'s/step':>9} {'ratio':>7}")
     for name, values in times.items():
         step = statistics.median(values)
         ratio = f"{step / bare:.3f}" if bare else "-"
         print(f"{name:<10} {step:>9.4f} {ratio:>7}")
+    if bare and calls:
+        total = sum(statistics.median(v) for v in calls.values())
+        print("evaluation seconds per call: " + ", ".join(
+            f"{k} {statistics.median(v):.3f}" for k, v in calls.items())
+            + f"; all of them every 50 steps: ratio {1 + total / 50 / bare:.4f}")
 
 
 if __name__ == "__main__":
