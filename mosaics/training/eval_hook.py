@@ -3,8 +3,8 @@
 Training is untouched: the RNG states (python, numpy, torch, CUDA) and the model's
 train/eval mode are saved before and restored after, evaluations run under
 ``torch.no_grad`` on the unwrapped module (no DDP collectives). A failing evaluation logs one
-line (``warning: evaluation <name> at step <s> failed: ...``) and training goes on; under
-DeepSpeed ZeRO-3 (partitioned weights) only ``position_loss`` runs.
+line (``warning: evaluation <name> at step <s> failed: ...``) and training goes on. Under
+DeepSpeed ZeRO-3 (weights partitioned, every forward a collective) none run.
 """
 
 from __future__ import annotations
@@ -49,17 +49,23 @@ class EvalHook(Hook):
 
     def __init__(self, evaluations: list[Evaluation]) -> None:
         self.evaluations = list(evaluations)
-        self.failures: list[str] = []
+        self.failures: list[str] = []  # the one-line messages of failed evaluations
+        self.skipped = False  # under ZeRO-3
 
     def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
         due = [e for e in self.evaluations if step % e.spec.interval == 0]
         if not due:
             return
-        zero3 = trainer.is_deepspeed and trainer._zero_stage() == 3
+        if trainer.is_deepspeed and trainer._zero_stage() == 3:
+            if not self.skipped and trainer.is_main:  # said once
+                print("warning: evaluations during training are skipped under DeepSpeed ZeRO-3 "
+                      "(its weights are partitioned over the processes)", file=sys.stderr)
+            self.skipped = True
+            return
         model = trainer.unwrapped_model
         row: dict[str, Any] = {}
         for evaluation in due:
-            if (zero3 or not trainer.is_main) and not evaluation.every_rank:
+            if not trainer.is_main and not evaluation.every_rank:
                 continue
             row.update(self._run(evaluation, model, trainer, step))
         if row:
