@@ -14,6 +14,8 @@ the next one starts. In order:
    ``<out>/cuda_tests.log``.
 2. ``warm``: every fused Triton variant (kernel x dtype, FSKA's op) run once at a small T in
    parallel processes, so that Triton's on-disk cache holds each compile before any timing.
+   It starts with the run, compiling on the CPU cores while the CUDA tests run, and is
+   waited for (at most its own limit) once they are done.
 3. ``kernels_bf16``: contextual-memory forward + backward of every kernel at T 4096 and
    16384 in bf16 (B 1, H 12, head size 64), against the Gaussian kernel, whose bf16 rows run
    PyTorch's SDPA (its default choice, and flash and cuDNN forced): the baseline. Per row the
@@ -894,14 +896,18 @@ def partial_result(name: str, out: Path) -> Any:
     return None
 
 
-def run_isolated(name: str, argv: list[str], budget: float, out: Path) -> Any:
-    """Section ``name`` in a child process (this script with ``--only``), stopped with its
-    process group after ``budget`` seconds: a hang or a crash costs that section only."""
-    result_file = out / "sections" / f"{name}.json"
-    result_file.unlink(missing_ok=True)
+def start_isolated(name: str, argv: list[str], limit: float, out: Path) -> subprocess.Popen:
+    """Start section ``name`` in a child process (this script with ``--only``) in its own
+    process group, told its limit."""
+    (out / "sections" / f"{name}.json").unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--only", name,
-           "--section-limit", f"{budget:.0f}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
+           "--section-limit", f"{limit:.0f}"]
+    return subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
+
+
+def wait_isolated(name: str, proc: subprocess.Popen, budget: float, out: Path) -> Any:
+    """The section's result, or, past ``budget`` seconds, its process group stopped and what
+    it left behind: a hang or a crash costs that section only."""
     try:
         proc.wait(timeout=budget)
     except subprocess.TimeoutExpired:
@@ -909,10 +915,17 @@ def run_isolated(name: str, argv: list[str], budget: float, out: Path) -> Any:
         proc.wait()
         print(f"{name}: stopped at its limit of {budget:.0f} s", flush=True)
         return {"timed_out": True, "limit_s": budget, "partial": partial_result(name, out)}
+    result_file = out / "sections" / f"{name}.json"
     if not result_file.exists():
         return {"error": f"the section's process ended with status {proc.returncode} and no "
                          "result"}
     return json.loads(result_file.read_text())["result"]
+
+
+def run_isolated(name: str, argv: list[str], budget: float, out: Path) -> Any:
+    """Section ``name`` in a child process, stopped with its process group after ``budget``
+    seconds."""
+    return wait_isolated(name, start_isolated(name, argv, budget, out), budget, out)
 
 
 def section_failed(name: str, result: Any) -> bool:
@@ -1001,7 +1014,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.warm_workers = args.warm_workers or max(1, min(8, os.cpu_count() or 1))
     args.warm_limit = 2 if args.dry_run else 0
     args.warm_in_process = args.dry_run
-    args.golden_steps = args.golden_steps or (2 if args.dry_run else 50)
+    args.golden_steps = args.golden_steps or (2 if args.quick else 50)
     args.ds_steps = args.ds_steps or (12 if big else 8)
     args.ds_vocab = 8192
     args.budgets = parse_budgets(args.budget, args.quick)
@@ -1046,10 +1059,21 @@ def main(argv: list[str] | None = None) -> int:
                               "total_budget_s": None if math.isinf(total) else total,
                               "sections": args.sections}
     failed = []
+    child = [a for a in argv if a != "--in-process"]
+    early: dict[str, subprocess.Popen] = {}
+    if not args.in_process and "warm" in args.sections[1:]:
+        # the warm-up compiles on the CPU cores while the sections before it run (the CUDA
+        # tests), then gets its own limit once they are done
+        ahead = sum(args.budgets[s] for s in args.sections[:args.sections.index("warm")])
+        early["warm"] = start_isolated("warm", child, min(ahead + args.budgets["warm"], total),
+                                       out)
     for name in args.sections:
         left = deadline - time.monotonic()
         limit = min(args.budgets[name], left - 2)
         if left < 7 and not args.in_process:  # no time left for a process to start
+            if name in early:
+                os.killpg(early[name].pid, signal.SIGKILL)
+                early.pop(name).wait()
             report[name] = {"skipped": f"{left:.0f} s left of the total budget"}
             print(f"\n=== {name}: skipped, {left:.0f} s left ===", flush=True)
             failed.append(name)
@@ -1060,8 +1084,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if args.in_process:
                 report[name] = SECTIONS[name](args)
+            elif name in early:  # started with the run: what is left of its limit
+                report[name] = wait_isolated(name, early.pop(name), limit, out)
             else:
-                child = [a for a in argv if a != "--in-process"]
                 report[name] = run_isolated(name, child, limit, out)
         except Exception as err:
             traceback.print_exc()
