@@ -77,3 +77,43 @@ def test_main_prints_a_table(wm, capsys) -> None:
     assert {"epanechnikov", "relumax", "gaussian_knn", "fska",
             "epanechnikov_fixed (clustered keys)"} <= kernels
     assert "| FlashAttention-2 | 1 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["epanechnikov", "biweight", "triweight"])
+def test_newton_sweeps_match_the_interpreted_kernel(wm, name: str, monkeypatch) -> None:
+    """The fused kernel run under Triton's interpreter (row blocks of 32 there), capped at N
+    Newton sweeps: each row block's output stops changing at exactly the replica's count."""
+    pytest.importorskip("triton")
+    import sys
+
+    import mosaics.ops  # noqa: F401
+    from mosaics.ops.triton_backend import triton_available
+
+    if triton_available(cpu=True) is not None:
+        pytest.skip("Triton's interpreter is not on in this process")
+    ops = sys.modules["mosaics.ops.power_attention"]
+    monkeypatch.setenv("MOSAICS_FUSED", "1")
+    form = wm.kernel_form(name)
+    keys = wm.check_keys(65, 1, 16)[0, 0]
+    q, k = keys[1:], keys[:-1]
+    n, bm = q.shape[0], 32
+    scale = form["scale"] * wm.BETA
+    a = torch.full((1, n), scale)
+    lo, hi = torch.zeros(1, n, dtype=torch.long), torch.arange(n).view(1, n)
+    v = torch.eye(n, 16).view(1, 1, n, 16)
+
+    def run(sweeps: int) -> torch.Tensor:
+        monkeypatch.setattr(ops, "NEWTON_STEPS", sweeps)
+        return ops.power_attention(q.view(1, 1, n, 16), k.view(1, 1, n, 16), v, a, lo, hi,
+                                   r=form["r"], entmax=True)[0, 0]
+
+    full = run(wm.NEWTON_STEPS)
+    c = q @ k.T
+    vis = torch.arange(n).view(1, -1) <= torch.arange(n).view(-1, 1)
+    m = c.masked_fill(~vis, float("-inf")).amax(1, keepdim=True)
+    x = (scale * (c - m)).masked_fill(~vis, float("-inf"))
+    _, its = wm.newton(x, form["r"], torch.arange(n) // bm, 2)
+    for block, count in enumerate(its.long().tolist()):
+        rows = slice(block * bm, (block + 1) * bm)
+        assert torch.equal(run(count)[rows], full[rows])
+        assert not torch.equal(run(count - 1)[rows], full[rows])
