@@ -829,6 +829,7 @@ def final_table(out: Path) -> str:
              "peak MB |", "|---|---|---|---|---|---|---|---|"]
     for r in timed:
         name = r["kernel"] + (f" ({r['variant']})" if r.get("variant") else "")
+        name += f" ({r['keys']} keys)" if r.get("keys") else ""
         if "ms" not in r:
             why = r.get("error") or r.get("skipped") or "?"
             lines.append(f"| {name} | {r['T']} | {r['dtype']} | - | - | {why} | - | - |")
