@@ -76,7 +76,8 @@ def run_pretrain(arch: str, kernel: str | None, proto: PretrainProtocol, seed: i
     run["recall"] = probe(
         model_dir, work / "recall", proto.data_source, proto.multipliers, proto.depths,
         proto.prompts, proto.facts, seed, device=device, own_prompts=proto.own_prompts,
-        loss_multiplier=proto.loss_multiplier, progress=False, block_size=proto.block_size)
+        loss_multiplier=proto.loss_multiplier, progress=False, block_size=proto.block_size,
+        label=f"{run['label']}, seed {seed}")
     return {"task": "pretrain", "protocol": asdict(proto), "seed": seed, "runs": [run]}
 
 

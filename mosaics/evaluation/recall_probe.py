@@ -62,7 +62,8 @@ def probe(model_dir: str | Path, out: str | Path, source: str | None = None,
           loss_multiplier: int = 16, loss_windows: int = 4, device: str = "cpu",
           progress: bool = True, corpus_seed: int = 0,
           block_size: int | None = None, batch_tokens: int = 16384,
-          config_changes: dict[str, Any] | None = None) -> dict[str, Any]:
+          config_changes: dict[str, Any] | None = None,
+          label: str | None = None) -> dict[str, Any]:
     """Run the recall report of ``model_dir`` into ``out``; returns ``recall.json``'s content.
     ``block_size``: the training length the lengths are multiples of (default: the config's
     ``block_size`` or ``n_positions``; a rotary model's config does not record it).
@@ -117,7 +118,8 @@ def probe(model_dir: str | Path, out: str | Path, source: str | None = None,
         cells.append(cell.as_dict())
     bar.close()
     result: dict[str, Any] = {
-        "model": str(model_dir), "config_changes": dict(config_changes or {}),
+        "model": str(model_dir), "label": label or model_dir.resolve().parent.name,
+        "config_changes": dict(config_changes or {}),
         "mode": builder.mode, "block_size": block, "facts": facts,
         "prompts_per_cell": prompts, "seed": seed, "chance": cells[0]["chance"] if cells else None,
         "cells": [{k: v for k, v in c.items() if k != "rows"} for c in cells]}
@@ -229,6 +231,6 @@ def heatmap(result: dict[str, Any], path: str | Path) -> Path:
         for j in range(len(lengths)):
             ax.text(j, i, "n/a" if np.isnan(grid[i, j]) else f"{grid[i, j]:.2f}",
                     ha="center", va="center", color="w", fontsize=8)
-    ax.set_title(Path(result["model"]).parent.name or result["model"], fontsize=9)
+    ax.set_title(result.get("label") or result["model"], fontsize=9)
     fig.colorbar(im, ax=ax, label="exact match")
     return _save(fig, path)
