@@ -100,7 +100,8 @@ def test_parse_evals_shorthand_and_one_line_errors():
 
 def test_evaluations_leave_training_losses_identical(tmp_path, story_tokenizer, plain):
     evals = {"position_loss": {"interval": 2, "buckets": 3}, "sample": 2,
-             "recall": {"interval": 4, "prompts": 3}}
+             "recall": {"interval": 4, "prompts": 3},
+             "needle": {"interval": 4, "prompts": 2, "lengths": [1, 2]}}
     result, rows, hooks = _fit(tmp_path / "evals", story_tokenizer, evals)
     assert _losses(rows) == _losses(plain)  # exactly: same RNG draws, same train mode
     evaluated = {r["step"]: r for r in rows if any(k.startswith("eval/") for k in r)}
@@ -115,6 +116,10 @@ def test_evaluations_leave_training_losses_identical(tmp_path, story_tokenizer, 
     assert four["eval/recall/prompts_scored"] == 3.0
     assert 0.0 <= four["eval/recall/exact_match"] <= 1.0
     assert "eval/recall/exact_match" not in evaluated[2]
+    for multiple in ("x1", "x2"):  # the needle probe at 1x and 2x the training length
+        assert 0.0 <= four[f"eval/needle/{multiple}/exact_match"] <= 1.0
+        assert 0.0 <= four[f"eval/needle/{multiple}/top1"] <= 1.0
+    assert 0.0 < four["eval/needle/chance"] < 1.0
     # the position loss is the validation loss the trainer computes, split by position
     assert four["eval/position_loss/loss"] == pytest.approx(
         next(r["val/loss"] for r in rows if r["step"] == 4 and "val/loss" in r), rel=1e-5)
@@ -184,3 +189,16 @@ def test_evaluations_on_two_gloo_ranks_do_not_deadlock(tmp_path):
     four = {k: v for r in rows if r["step"] == 4 for k, v in r.items()}
     assert four["eval/position_loss/loss"] == pytest.approx(four["val/loss"], rel=1e-5)
     assert "eval/sample/text" in four and four["eval/recall/prompts_scored"] == 2.0
+
+
+def test_probes_without_their_corpus_are_skipped_with_one_line(tmp_path, story_tokenizer,
+                                                                capsys):
+    from mosaics.training.components import build_evaluations
+
+    text = tmp_path / "plain.txt"
+    text.write_text("One document.\n\nAnother document.\n")
+    cfg = TrainConfig(data_source=str(text), evals={"recall": 2, "needle": 2, "sample": 2})
+    names = [e.spec.name for e in build_evaluations(cfg, story_tokenizer)]
+    assert names == ["sample"]
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("evals.")]
+    assert len(err) == 2 and "recall" in err[0] and "validation split" in err[1]

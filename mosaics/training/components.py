@@ -50,6 +50,17 @@ def build_evaluations(cfg: TrainConfig, tokenizer: Any, main: bool = True,
             count = int(spec.options.get("prompts", 32))
             stories = generate_story_records(count, cfg.data_seed + VAL_STORY_SEED_OFFSET)
             out.append(RecallProbe(spec, tokenizer, stories))
+        elif spec.name == "needle":
+            from .eval_needle import NeedleProbe, needle_texts
+
+            texts = needle_texts(cfg)
+            if texts is None:
+                if main:
+                    print("evals.needle: the needle probe reads the corpus's validation split, "
+                          "which this data_source lacks (or is a mixture); it is skipped",
+                          file=sys.stderr)
+                continue
+            out.append(NeedleProbe(spec, tokenizer, texts, cfg.block_size, cfg.data_seed))
         elif spec.name == "lm_eval":
             from .eval_lm_harness import LmEvalTasks
 

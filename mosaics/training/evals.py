@@ -3,6 +3,7 @@
 ``TrainConfig.evals`` names them, each with its own interval (steps) and time budget (s)::
 
     evals: {position_loss: 50, sample: {interval: 100, tokens: 32}, recall: 100,
+            needle: {interval: 500, lengths: [1, 2]},
             lm_eval: {interval: 500, tasks: [hellaswag], limit: 50, budget_s: 600}}
 
 An evaluation returns scalars (and the sample's text) that go to metrics.jsonl and every
@@ -36,7 +37,7 @@ class EvalSpec:
 
 
 OPTIONS = {"position_loss": {"buckets"}, "sample": {"tokens", "prompt", "top_k"},
-           "recall": {"prompts"},
+           "recall": {"prompts"}, "needle": {"prompts", "lengths", "depth", "facts", "batch_size"},
            "lm_eval": {"tasks", "include_path", "limit", "batch_size", "num_fewshot"}}
 
 
