@@ -94,6 +94,9 @@ def triton_available(cpu: bool = False) -> str | None:
         import triton.language  # noqa: F401
     except Exception as err:  # noqa: BLE001 - any import failure means no fused path
         return f"triton is not importable ({type(err).__name__}: {err}); pip install triton"
+    if not hasattr(triton, "constexpr_function"):  # the kNN kernels' constexpr helpers
+        return (f"triton {getattr(triton, '__version__', '?')} is older than 3.5; "
+                "pip install 'triton>=3.5'")
     knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; earlier, the environment says
     interpreting = (bool(knobs.runtime.interpret) if knobs is not None
                     else os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))

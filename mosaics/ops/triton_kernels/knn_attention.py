@@ -18,6 +18,10 @@ Per (batch x head) row block of BLOCK_M queries, over key blocks of BLOCK_N colu
   jt_i = the column of the last selected tie (-1: none). Gaussian: online softmax of
   beta (s - m) over the selected entries (m the running max); uniform: 1 / count.
 
+Launch order: heaviest first (FlashAttention-2's): ``_knn_fwd`` and ``_knn_bwd_dq`` take
+their row blocks from the last (the strict past: the most key blocks) to the first;
+``_knn_bwd_dkdv``'s first key block is already the one the most rows see.
+
 Scores multiply in PRECISION ("ieee" for fp32 inputs: the fp32 reference's values), the other
 products in PRODUCTS (the same, or "tf32" where PyTorch allows TF32 matmuls).
 
@@ -133,7 +137,7 @@ def _knn_fwd(Q, K, V, BETA, LO, HI, OUT, STATS, JT,
              SELECT_ALL: tl.constexpr, HAS_BOUNDS: tl.constexpr, PRECISION: tl.constexpr,
              PRODUCTS: tl.constexpr,
              LOG_N: tl.constexpr, LOG_K: tl.constexpr, LIBRARY_SORT: tl.constexpr):
-    pid_m = tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the last rows (most keys) first
     bh = tl.program_id(1).to(tl.int64)
     beta = tl.load(BETA + bh % H)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -302,7 +306,7 @@ def _knn_bwd_dq(Q, K, V, BETA, LO, HI, STATS, JT, DO, DELTA, DQ, DBETA,
                 HAS_BOUNDS: tl.constexpr, PRECISION: tl.constexpr,
                   PRODUCTS: tl.constexpr):
     """Gaussian only: dQ = (beta dZ) K and the per-row bandwidth gradient sum_j dZ_ij s_ij."""
-    pid_m = tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the last rows (most keys) first
     bh = tl.program_id(1).to(tl.int64)
     beta = tl.load(BETA + bh % H)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -19,6 +19,10 @@ Backward (dx = kappa h (dp - c), h = u^(r-1), dp_ij = g_i . v_j):
 - ``_power_bwd_dkv``, per block of keys, over the query blocks that see them:
   dv_j = sum_i (p_ij / N_i) g_i and dk_j = sum_i a_i dx_ij q_i.
 
+Launch order: heaviest first, as FlashAttention-2 does. ``_power_fwd`` and ``_power_bwd_dq``
+take their row blocks from the last (under a causal mask, the most key blocks) to the first;
+``_power_bwd_dkv``'s first key block is already the one most query blocks see.
+
 Offsets: the (batch x head) program id is int64, so every pointer argument moves by an int64
 offset first (tensors past 2^31 elements; tests/test_fused_offsets.py); rows and columns
 inside one (batch, head) slice stay int32.
@@ -114,7 +118,7 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG,
                BLOCK_DV: tl.constexpr, ANCHOR_MAX: tl.constexpr, SOLVE: tl.constexpr,
                R_KIND: tl.constexpr, N_ITER: tl.constexpr, IEEE: tl.constexpr,
                HAS_BIAS: tl.constexpr):
-    pid_m = tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the last rows (most keys) first
     bh = tl.program_id(1).to(tl.int64)
     batch = bh // H
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -209,7 +213,7 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, SOLVE: tl.constexpr, R_KIND: tl.constexpr,
                   IEEE: tl.constexpr, HAS_BIAS: tl.constexpr):
-    pid_m = tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the last rows (most keys) first
     bh = tl.program_id(1).to(tl.int64)
     batch = bh // H
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
