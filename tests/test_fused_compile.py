@@ -1,13 +1,16 @@
 """The fused Triton kernels compile for a GPU (sm_80 and sm_90, down to cubin) on this machine:
 Triton's interpreter (tests/test_fused_*.py) checks what they compute; this checks what only
-the compiler sees (types of loop-carried values, constexpr branches, dot shapes).
+the compiler sees (types of loop-carried values, constexpr branches, dot shapes), on the build
+a launch makes: each kernel is compiled from a recorded launch of the op (CPU tensors of a
+GPU-like shape, Triton's launch replaced by a recorder), its tiles and products those of the
+op's CUDA rule, specialized by Triton's own binder (16-divisible sizes and strides, aligned
+pointers: the ``tt.divisibility`` hints of the real launch).
 
 The compiles run in a child process without ``TRITON_INTERPRET`` (Triton decides at import
 whether its own library functions are interpreted)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,9 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-KERNELS = Path(__file__).resolve().parents[1] / "mosaics" / "ops" / "triton_kernels"
-FLOATS = {"r", "shift_const", "anchor_const", "tol"}
 
 # (dtype, SOLVE, ANCHOR_MAX, R_KIND, HAS_BIAS, arch): every power form once, both archs
 POWER_CASES = [
@@ -27,10 +27,12 @@ POWER_CASES = [
     ("bf16", False, True, 1, True, 80),   # relumax
     ("fp32", False, False, 3, False, 90),  # epanechnikov_fixed, r 3
 ]
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def _stack_bytes(cubin: bytes) -> int | None:
-    """Per-thread stack (spilled registers) of a cubin, from Triton's bundled cuobjdump."""
+def _resources(cubin: bytes) -> dict[str, int | None]:
+    """Per-thread registers and stack (spilled registers) of a cubin, from Triton's bundled
+    cuobjdump (None without one)."""
     import shutil
     import tempfile
 
@@ -38,68 +40,89 @@ def _stack_bytes(cubin: bytes) -> int | None:
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists() and shutil.which("cuobjdump") is None:
-        return None
+        return {"regs": None, "stack": None}
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(cubin)
         handle.flush()
         out = subprocess.run([str(tool) if tool.exists() else "cuobjdump",
                               "--dump-resource-usage", handle.name],
                              capture_output=True, text=True).stdout
-    stacks = [int(part.split(":")[1]) for part in out.split() if part.startswith("STACK:")]
-    return max(stacks) if stacks else None
+
+    def field(name: str) -> int | None:
+        found = [int(part.split(":")[1]) for part in out.split() if part.startswith(name + ":")]
+        return max(found) if found else None
+
+    return {"regs": field("REG"), "stack": field("STACK")}
 
 
-def _compile(fn, pointers: dict[str, str], constexprs: dict, arch: int, warps: int):
+def record_power_launches(dtype: str, solve: bool, anchor_max: bool, r_kind: int,
+                          bias: bool, n: int = 128, D: int = 64) -> list[tuple]:
+    """(kernel, args, kwargs) of the power op's forward and backward launches on CPU tensors
+    (B 1, H 2, n rows, head size D), no kernel run."""
+    import torch
+    from triton.runtime.jit import JITFunction
+
+    from mosaics.ops.power_attention import power_attention
+
+    calls: list[tuple] = []
+
+    def record(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN202
+        calls.append((self, args, kwargs))
+
+    original = JITFunction.run
+    JITFunction.run = record
+    try:
+        B, H = 1, 2
+        dt = getattr(torch, DTYPES[dtype])
+        q, k, v = (torch.randn(B, H, n, D, dtype=dt, requires_grad=True) for _ in range(3))
+        a = torch.ones(B * H, n, requires_grad=True)
+        lo, hi = torch.zeros(1, n, dtype=torch.long), torch.arange(n).view(1, n) - 1
+        r = {0: 1.5, 1: 1.0, 2: 2.0, 3: 3.0}[r_kind]
+        form = ({"entmax": True} if solve else {"shift": -0.5} if anchor_max
+                else {"anchor": 1.0, "shift": -1.0})
+        slope = torch.full((B * H, n), 0.01) if bias else None
+        power_attention(q, k, v, a, lo, hi, r=r, bias=slope, **form).sum().backward()
+    finally:
+        JITFunction.run = original
+    return calls
+
+
+def compile_launch(fn, args: tuple, kwargs: dict, arch: int) -> dict:  # noqa: ANN001
+    """Compile one recorded launch for sm_``arch`` as Triton's launcher would specialize it."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
 
-    names = fn.arg_names
-    signature = {}
-    for name in names:
-        if name in pointers:
-            signature[name] = pointers[name]
-        elif name in constexprs:
-            signature[name] = "constexpr"
-        else:
-            signature[name] = "fp32" if name in FLOATS else "i32"
-    src = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                            options={"num_warps": warps})
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound,
+                                                          specialization, options)
+    hinted = sum(1 for v in attrs.values() if v)
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                            options=options.__dict__)
     ok = bool(kernel.asm["cubin"]) and ".entry" in kernel.asm["ptx"]
-    return {"ok": ok, "stack": _stack_bytes(kernel.asm["cubin"])}
-
-
-def _power_pointers(dtype: str) -> dict[str, str]:
-    return {**{k: f"*{dtype}" for k in ("Q", "K", "V", "G")},
-            **{k: "*fp32" for k in ("A", "BIAS", "OUT", "M", "SHIFT", "NSUM", "KAPPA", "C",
-                                    "INV", "DQ", "RSUM", "RSUMJ", "DK", "DV_OUT")},
-            **{k: "*i32" for k in ("LO", "HI", "ARG", "QB_FIRST", "QB_LAST")}}
+    return {"ok": ok, "hinted": hinted, **_resources(kernel.asm["cubin"])}
 
 
 def compile_all() -> dict[str, dict]:
-    """Compile every case at the op's own launch sizes (in this process: run it without
-    TRITON_INTERPRET)."""
+    """Compile every case's three kernels with the op's CUDA tiles (in this process: run it
+    without TRITON_INTERPRET)."""
     import torch
 
     from mosaics.ops.power_attention import _blocks
 
-    spec = importlib.util.spec_from_file_location("power_aot", KERNELS / "power_attention.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     done = {}
     for dtype, solve, anchor_max, r_kind, bias, arch in POWER_CASES:
-        pointers = _power_pointers(dtype)
-        torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-        bm, bn, bd, bdv, warps = _blocks(torch.device("cuda"), 64, 64, torch_dtype)
-        blocks = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bdv, R_KIND=r_kind,
-                      IEEE=dtype == "fp32", HAS_BIAS=bias)
+        bm, bn, _, _, warps = _blocks(torch.device("cuda"), 64, 64,
+                                      getattr(torch, DTYPES[dtype]))
+        cuda = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "IEEE": dtype == "fp32"}
         case = f"{dtype}-solve{int(solve)}-max{int(anchor_max)}-r{r_kind}-bias{int(bias)}-sm{arch}"
-        done[f"fwd {case}"] = _compile(module._power_fwd, pointers, {
-            **blocks, "ANCHOR_MAX": anchor_max, "SOLVE": solve, "N_ITER": 30}, arch, warps)
-        done[f"dq {case}"] = _compile(module._power_bwd_dq, pointers,
-                                      {**blocks, "SOLVE": solve}, arch, warps)
-        done[f"dkv {case}"] = _compile(module._power_bwd_dkv, pointers, blocks, arch, warps)
+        names = {"_power_fwd": "fwd", "_power_bwd_dq": "dq", "_power_bwd_dkv": "dkv"}
+        for fn, args, kwargs in record_power_launches(dtype, solve, anchor_max, r_kind, bias):
+            done[f"{names[fn.__name__]} {case}"] = compile_launch(fn, args, kwargs | cuda, arch)
     return done
 
 
@@ -114,6 +137,7 @@ def test_power_kernels_compile_for_cuda():
     assert proc.returncode == 0, proc.stderr[-4000:]
     done = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(done) == 3 * len(POWER_CASES) and all(r["ok"] for r in done.values()), done
+    assert all(r["hinted"] > 0 for r in done.values()), done  # the launch's divisibility hints
     # bf16 / fp16 tiles fit in registers on sm_90 (fp32's three TF32 products spill a little)
     spills = {k: r["stack"] for k, r in done.items()
               if "sm90" in k and not k.split()[1].startswith("fp32") and r["stack"]}
