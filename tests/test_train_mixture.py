@@ -139,3 +139,33 @@ def test_mixture_resume_is_exact(tmp_path, sources):
         return [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r]
 
     assert losses(resumed) == losses(straight) and len(losses(straight)) == 4
+
+
+@pytest.mark.integration
+def test_mixture_resume_on_two_processes_matches(tmp_path, sources):
+    """Two steps on one process, then resumed on two gloo ranks (batch 1 each: the same global
+    batch): the losses of the straight one-process run, to float tolerance."""
+    import os
+    import subprocess
+    import sys
+
+    data = {str(sources / "tales.txt"): 3, str(sources / "fables.txt"): 1}
+    straight = _train(tmp_path / "straight", data, max_steps=4)
+    _train(tmp_path / "moved", data, max_steps=2)
+    settings = dict(TINY, run_dir=str(tmp_path / "moved"), max_steps=4, batch_size=1,
+                    data_cache_dir=str(tmp_path / "cache"), data_source=json.dumps(data))
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="0")
+    done = subprocess.run([sys.executable, "-m", "mosaics", "train", "--nproc", "2",
+                           *(f"{k}={v}" for k, v in settings.items())], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "on 2 process(es), written by 1" in done.stderr, \
+        done.stderr[-3000:]
+    moved = [json.loads(x) for x in (tmp_path / "moved" / "metrics.jsonl").read_text()
+             .splitlines()]
+
+    def losses(rows):
+        return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+    assert losses(moved).keys() == losses(straight).keys() == {1, 2, 3, 4}
+    for step, value in losses(straight).items():
+        assert losses(moved)[step] == pytest.approx(value, abs=1e-4, rel=0), step
