@@ -10,9 +10,11 @@ do, without running them:
   ``NEWTON_STEPS``), the output sweep; a tile is *live* when some u > 0 in it (its value
   product runs, and the backward's products after its QK^T). Backward: ``_power_bwd_dq``
   (entmax: a first sweep for c) and ``_power_bwd_dkv``, each recomputing QK^T on every tile;
-- kNN (``knn_attention.py``): pass 1 (running top-k; a key block is merged when one of its
-  scores beats some row's current k-th), pass 2 (weights, with the tie cumsum on every
-  tile); backward dK/dV and (Gaussian) dQ over every causal tile;
+- kNN (``knn_attention.py``): pass 1 (running top-k; a key block none of whose scores beats
+  its row's current k-th is skipped, one adding at most ``MERGE_INSERTS`` entries to every
+  row is inserted step by step, any other runs the bitonic network), pass 2 (weights, the tie
+  cumsum only on a tile where a row's ties at its k-th value cross the count it takes);
+  backward dK/dV and (Gaussian) dQ over every causal tile;
 - FSKA (``linear_attention.py``): the chunked scan, by its products (no score tiles off the
   diagonal).
 
@@ -40,6 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mosaics.ops.knn_attention import MERGE_INSERTS  # noqa: E402
 from mosaics.ops.power_attention import NEWTON_STEPS, NEWTON_TOL  # noqa: E402
 
 BETA = 7.39  # the check's bandwidth (e^2, the reference initialization)
@@ -189,16 +192,29 @@ def _per_block(flags: torch.Tensor, blocks: torch.Tensor, n_blocks: int) -> torc
     return torch.zeros(n_blocks).index_add_(0, blocks, flags.float()) > 0
 
 
-def knn_head(q: torch.Tensor, k: torch.Tensor, k_top: int, bm: int, bn: int) -> dict[str, float]:
-    """Pass-1 merges, tiles holding the k-th value, true ties and tiles with a selected entry
-    of one head (query i sees keys j <= i)."""
+def _block_max(values: torch.Tensor, blocks: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """(n_blocks,) the largest value of each block's rows (0 for a block with none)."""
+    return torch.zeros(n_blocks, dtype=values.dtype).scatter_reduce_(0, blocks, values, "amax")
+
+
+def knn_head(q: torch.Tensor, k: torch.Tensor, k_top: int, bm: int, bn: int,
+             inserts: int = MERGE_INSERTS) -> dict[str, float]:
+    """Pass-1 work, tiles holding the k-th value, true ties, cumsum tiles and tiles with a
+    selected entry of one head (query i sees keys j <= i), summed over causal tiles.
+
+    Pass 1 of a tile: each row's count of scores above its current k-th; the tile's most
+    (over its rows) picks skip (0), insertion (at most ``inserts``: that many steps) or the
+    bitonic network; "any" is the tile-wide test alone (some row's count > 0), the network's
+    rate before insertion. Pass 2 runs the tie cumsum on a tile where a row's entries equal to
+    its k-th value cross the number it takes."""
     n = q.shape[0]
     nb = -(-n // bn)
+    nbq = -(-n // bm)
     pad = max(2, 1 << (k_top - 1).bit_length())
     run = torch.full((n, pad), float("-inf"))
     rows = torch.arange(n)
     row_block = rows // bm
-    merges = torch.zeros(-(-n // bm), nb, dtype=torch.bool)
+    most = torch.zeros(nbq, nb, dtype=torch.long)
     qf, kf = q.float(), k.float()
     for kb in range(nb):
         j = torch.arange(kb * bn, min(n, (kb + 1) * bn))
@@ -206,10 +222,12 @@ def knn_head(q: torch.Tensor, k: torch.Tensor, k_top: int, bm: int, bn: int) -> 
         s = qf[r0:] @ kf[j].T
         s = s.masked_fill(j.view(1, -1) > rows[r0:].view(-1, 1), float("-inf"))
         kth = run[r0:, k_top - 1:k_top]
-        merges[:, kb] = _per_block((s > kth).any(1), row_block[r0:], merges.shape[0])
+        most[:, kb] = _block_max((s > kth).sum(1), row_block[r0:], nbq)
         run[r0:] = torch.cat([run[r0:], s], 1).topk(pad, 1).values
     tau = run[:, k_top - 1:k_top]
-    selected = torch.zeros_like(merges)
+    need = (run[:, :k_top] == tau).sum(1)
+    selected = torch.zeros(nbq, nb, dtype=torch.bool)
+    cumsum = torch.zeros(nbq, nb, dtype=torch.bool)
     at_tau = torch.zeros(n, nb, dtype=torch.bool)  # row i has an entry equal to tau_i there
     eq_count = torch.zeros(n, dtype=torch.long)
     for kb in range(nb):
@@ -217,34 +235,41 @@ def knn_head(q: torch.Tensor, k: torch.Tensor, k_top: int, bm: int, bn: int) -> 
         r0 = kb * bn
         s = qf[r0:] @ kf[j].T
         vis = j.view(1, -1) <= rows[r0:].view(-1, 1)
-        eq = vis & (s == tau[r0:]) & torch.isfinite(tau[r0:])
-        at_tau[r0:, kb] = eq.any(1)
-        eq_count[r0:] += eq.sum(1)
-        selected[:, kb] = _per_block((vis & (s >= tau[r0:])).any(1), row_block[r0:],
-                                     merges.shape[0])
+        eq = vis & (s == tau[r0:])
+        after = eq_count[r0:] + eq.sum(1)
+        cumsum[:, kb] = _per_block((eq_count[r0:] < need[r0:]) & (after > need[r0:]),
+                                   row_block[r0:], nbq)
+        at_tau[r0:, kb] = (eq & torch.isfinite(tau[r0:])).any(1)
+        eq_count[r0:] = after
+        selected[:, kb] = _per_block((vis & (s >= tau[r0:])).any(1), row_block[r0:], nbq)
     tied = eq_count > 1  # rows whose k-th value is shared: the only ones the cumsum serves
-    tie_tiles = torch.stack([_per_block(at_tau[:, kb] & tied, row_block, merges.shape[0])
+    tie_tiles = torch.stack([_per_block(at_tau[:, kb] & tied, row_block, nbq)
                              for kb in range(nb)], 1)
-    causal = torch.arange(nb).view(1, -1) * bn <= (torch.arange(merges.shape[0]).view(-1, 1)
-                                                    + 1) * bm - 1
-    return {"tiles": float(causal.sum()), "merges": float((merges & causal).sum()),
+    causal = torch.arange(nb).view(1, -1) * bn <= (torch.arange(nbq).view(-1, 1) + 1) * bm - 1
+    insert = causal & (most > 0) & (most <= inserts)
+    return {"tiles": float(causal.sum()), "merges": float((causal & (most > inserts)).sum()),
+            "merges_any": float((causal & (most > 0)).sum()),
+            "inserts": float(insert.sum()), "insert_steps": float(most[insert].sum()),
+            "cumsum": float((cumsum & causal).sum()),
             "tie_tiles": float((tie_tiles & causal).sum()),
             "selected": float((selected & causal).sum()), "tie_rows": float(tied.sum())}
 
 
 def knn_counts(name: str, keys: torch.Tensor, k_top: int = 16, bm: int = 64,
-               bn: int = 64) -> dict[str, Any]:
+               bn: int = 64, inserts: int = MERGE_INSERTS) -> dict[str, Any]:
     """The work model of a kNN kernel on keys (1, H, T, hs)."""
     tot: dict[str, float] = {}
     for h in range(keys.shape[1]):
         kk = keys[0, h]
-        for key, value in knn_head(kk[1:], kk[:-1], k_top, bm, bn).items():
+        for key, value in knn_head(kk[1:], kk[:-1], k_top, bm, bn, inserts).items():
             tot[key] = tot.get(key, 0.0) + value
     tiles = tot["tiles"]
     uniform = name == "uniform_knn"
     return {"kernel": name, "fwd_sweeps": 2.0, "merge": tot["merges"] / tiles,
+            "merge_any": tot["merges_any"] / tiles, "insert": tot["inserts"] / tiles,
+            "insert_steps": tot["insert_steps"] / tiles,
             "tie_tiles": tot["tie_tiles"] / tiles, "live": tot["selected"] / tiles,
-            "tie_rows": tot["tie_rows"], "cumsum": 1.0,
+            "tie_rows": tot["tie_rows"], "cumsum": tot["cumsum"] / tiles,
             "fwd_products": 3.0, "bwd_products": 2.0 if uniform else 7.0,
             "fwd_tiles": 2.0, "bwd_tiles": 1.0 if uniform else 2.0,
             "causal_tiles": tiles / keys.shape[1]}
@@ -305,7 +330,8 @@ def model_keys(model_dir: Path, tokens: Path | None, T: int) -> tuple[torch.Tens
 def table(rows: list[dict[str, Any]], title: str) -> str:
     """The rows as a Markdown table (one row per kernel), FlashAttention-2's first."""
     head = ["kernel", "QK^T sweeps fwd", "Newton (mean / max)", "live 64x64 (16x16)",
-            "kNN merges / tie tiles / tied rows", "products fwd / bwd",
+            "kNN network (before) / insertion (steps) / cumsum / tie tiles / tied rows",
+            "products fwd / bwd",
             "tile visits fwd / bwd"]
     lines = [f"**{title}**", "", "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head),
@@ -319,8 +345,9 @@ def table(rows: list[dict[str, Any]], title: str) -> str:
                   if r.get("newton_sweeps") else "-")
         live = num(r.get("live"), "{:.3f}") + (f" ({r['live_fine']:.3f})"
                                                if "live_fine" in r else "")
-        knn = (f"{r['merge']:.3f} / {r['tie_tiles']:.3f} / {r['tie_rows']:.0f}"
-               if "merge" in r else "-")
+        knn = (f"{r['merge']:.3f} ({r['merge_any']:.3f}) / {r['insert']:.3f} "
+               f"({r['insert_steps']:.2f}) / {r['cumsum']:.3f} / {r['tie_tiles']:.3f} / "
+               f"{r['tie_rows']:.0f}" if "merge" in r else "-")
         lines.append(f"| {r['kernel']} | {num(r['fwd_sweeps'])} | {newton} | {live} | "
                      f"{knn} | {num(r['fwd_products'])} / "
                      f"{num(r['bwd_products'])} | {num(r['fwd_tiles'])} / "

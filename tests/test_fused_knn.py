@@ -111,6 +111,26 @@ def test_ties_across_small_blocks_and_library_sort(monkeypatch) -> None:
     compare(q, k, v, torch.tensor([20.0, 3.0]), 0, 3, uniform=False)
 
 
+@pytest.mark.parametrize("inserts", [0, 64])
+def test_top_k_by_the_network_or_by_insertion(inserts: int, monkeypatch) -> None:
+    # 0: every key block that enters some row's top k runs the bitonic network; 64: every such
+    # block is inserted value by value (16-column tiles, exact ties across blocks included)
+    monkeypatch.setattr(knn_ops, "MERGE_INSERTS", inserts)
+    monkeypatch.setattr(knn_ops, "_INTERPRETED_BLOCK", 16)
+    q, k, v = dyadic(45, 45, distinct=5, seed=2)
+    compare(q, k, v, torch.tensor([20.0, 3.0]), -1, 6, uniform=False)
+    q, k, v = inputs(70, 70, seed=11)
+    compare(q, k, v, torch.tensor([2.0, 9.0]), -1, 16, uniform=True)
+
+
+def test_key_blocks_that_enter_no_top_k() -> None:
+    # past key 40 every score is ~1e-3 of the first ones: no later block enters a top 5 of a
+    # row that has seen the first 40 keys, and those blocks skip the merge
+    q, k, v = inputs(150, 150, seed=12)
+    k[:, :, 40:] *= 1e-3
+    compare(q, k, v, torch.tensor([3.0, 7.0]), -1, 5, uniform=False)
+
+
 def test_empty_rows_offsets_and_bfloat16() -> None:
     # offset -3: rows 0..2 see nothing -> output 0, gradients finite; bf16 inputs, fp32 sums
     q, k, v = inputs(70, 70, seed=5)
@@ -208,7 +228,8 @@ def test_kernels_compile_for_sm90() -> None:
     import sys
 
     common = {"BLOCK_M": 64, "BLOCK_N": 64, "HS_PAD": 64, "HV_PAD": 64, "HAS_BOUNDS": False}
-    fwd = {**common, "SELECT_ALL": False, "LIBRARY_SORT": True, "LOG_N": 6}
+    fwd = {**common, "SELECT_ALL": False, "LIBRARY_SORT": True, "LOG_N": 6,
+           "INSERTS": knn_ops.MERGE_INSERTS}
     fp32, tf32 = {"PRECISION": "ieee", "PRODUCTS": "ieee"}, {"PRECISION": "ieee",
                                                              "PRODUCTS": "tf32"}
     bf16 = {"PRECISION": "native", "PRODUCTS": "native"}

@@ -36,6 +36,11 @@ _INTERPRETED_BLOCK = 64  # tiles under the interpreter (CPU tensors)
 # its integer reductions run element by element, the same network from min / max
 # (which the compiler in turn handles badly). True also runs Triton's under the interpreter.
 LIBRARY_SORT_ON_CPU = False
+# A key block whose scores enter no row's top k is skipped; one that adds at most this many
+# entries to every row is inserted value by value (a row max, a count and a shift per step),
+# and only a block that adds more to some row runs the bitonic top-k and merge (~4 steps'
+# instructions; counted in bench/work_model.py, not timed).
+MERGE_INSERTS = 4
 
 
 def knn_unsupported(q: Tensor, k: Tensor, v: Tensor, k_top: int) -> str | None:
@@ -106,7 +111,7 @@ def _config(q: Tensor, v_size: int, k_top: int, S: int) -> dict:
             "num_warps": warps,
             "num_stages": 2 if wide and q.dtype == torch.float32 else 3,  # fp32 tiles: smem
             "SELECT_ALL": select_all, "LOG_K": k_pad.bit_length() - 1,
-            "LIBRARY_SORT": q.is_cuda or LIBRARY_SORT_ON_CPU,
+            "LIBRARY_SORT": q.is_cuda or LIBRARY_SORT_ON_CPU, "INSERTS": MERGE_INSERTS,
             "PRECISION": precision, "PRODUCTS": products}
 
 
@@ -149,7 +154,7 @@ class _KNNAttention(torch.autograd.Function):
         S, hv = k.shape[2], v.shape[3]
         mod = triton_module(_KERNELS, q.device)
         cfg = dict(ctx.cfg)
-        for key in ("K_PAD", "SELECT_ALL", "LOG_K", "LIBRARY_SORT"):
+        for key in ("K_PAD", "SELECT_ALL", "LOG_K", "LIBRARY_SORT", "INSERTS"):
             cfg.pop(key)
         pads = {"HS_PAD": pow2_at_least(hs, 16), "HV_PAD": pow2_at_least(hv, 16)}
         g = grad_out.to(v.dtype).contiguous()

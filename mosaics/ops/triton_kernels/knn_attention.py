@@ -6,16 +6,21 @@ Per (batch x head) row block of BLOCK_M queries, over key blocks of BLOCK_N colu
 - scores s_ij = q_i . k_j (fp32 accumulation), visible where lo_i <= j <= hi_i and j < S
   (the strict past: lo_i = 0, hi_i = i + offset);
 - pass 1 (``_knn_fwd``, unless every visible entry is selected): the K_PAD largest visible
-  scores of each row, kept sorted in a (BLOCK_M, K_PAD) register tile; a key block is merged
-  only when one of its scores beats some row's current k-th value: its top K_PAD (bitonic
-  top-k) in ascending order, elementwise max with the tile (a bitonic sequence holding the
-  K_PAD largest of both), one bitonic merge. Compiled, the network is Triton's own
-  (``tl.topk``, ``tl.bitonic_merge``: bit tricks the compiler lays out well); interpreted,
-  the same network from min / max of reshaped pairs (``_top_ascending``, ``_merge``: Triton's
-  integer reductions run element by element under the interpreter, and the compiler stalls
-  on these reshapes). tau_i = the k-th largest, need_i = how many of the top k equal tau_i;
+  scores of each row, kept sorted in a (BLOCK_M, K_PAD) register tile. Per row, the count of
+  a key block's scores above the row's current k-th value: a block where every count is 0 is
+  skipped; one where none exceeds INSERTS is inserted value by value (``_insert``: per step
+  a row max, a count and a shift; a row with nothing left keeps its run); any other is
+  merged: its top K_PAD (bitonic top-k) in ascending order, elementwise max with the tile (a
+  bitonic sequence holding the K_PAD largest of both), one bitonic merge. Compiled, the
+  network is Triton's own (``tl.topk``, ``tl.bitonic_merge``: bit tricks the compiler lays
+  out well); interpreted, the same network from min / max of reshaped pairs
+  (``_top_ascending``, ``_merge``: Triton's integer reductions run element by element under
+  the interpreter, and the compiler stalls on these reshapes). tau_i = the k-th largest,
+  need_i = how many of the top k equal tau_i;
 - pass 2: selected = visible and (s > tau, or s == tau among the first need_i such columns);
-  jt_i = the column of the last selected tie (-1: none). Gaussian: online softmax of
+  jt_i = the column of the last selected tie (-1: none); the running count of the entries
+  equal to tau_i goes through a cumsum only in a block where it crosses need_i for some row
+  (elsewhere a row takes all of them or none). Gaussian: online softmax of
   beta (s - m) over the selected entries (m the running max); uniform: 1 / count.
 
 Launch order: heaviest first (FlashAttention-2's): ``_knn_fwd`` and ``_knn_bwd_dq`` take
@@ -130,13 +135,33 @@ def _top_ascending(s, ROWS: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
 
 
 @triton.jit
+def _insert(run, cand, steps, kcol):
+    """run (ROWS, K_PAD, descending) with the entries of cand (-inf: none) inserted, the
+    largest first, ``steps`` (at least the most entries of any row) times: each step puts a
+    row's largest remaining value, times its multiplicity, after the run's entries >= it and
+    shifts the rest right (the last ones drop out); a row with none left keeps its run."""
+    inf = float("inf")
+    for _ in range(steps):
+        x = tl.max(cand, 1)
+        hit = cand == x[:, None]
+        c = tl.where(x > -inf, tl.sum(hit.to(tl.int32), 1), 0)
+        pos = tl.sum((run >= x[:, None]).to(tl.int32), 1)
+        moved = tl.gather(run, tl.maximum(kcol - c[:, None], 0), 1)
+        run = tl.where(kcol < pos[:, None], run,
+                       tl.where(kcol < (pos + c)[:, None], x[:, None], moved))
+        cand = tl.where(hit, -inf, cand)
+    return run
+
+
+@triton.jit
 def _knn_fwd(Q, K, V, BETA, LO, HI, OUT, STATS, JT,
              n, S, H, HS, HV, offset, k_top, lo_stride,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr,
              HS_PAD: tl.constexpr, HV_PAD: tl.constexpr, UNIFORM: tl.constexpr,
              SELECT_ALL: tl.constexpr, HAS_BOUNDS: tl.constexpr, PRECISION: tl.constexpr,
              PRODUCTS: tl.constexpr,
-             LOG_N: tl.constexpr, LOG_K: tl.constexpr, LIBRARY_SORT: tl.constexpr):
+             LOG_N: tl.constexpr, LOG_K: tl.constexpr, LIBRARY_SORT: tl.constexpr,
+             INSERTS: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the last rows (most keys) first
     bh = tl.program_id(1).to(tl.int64)
     beta = tl.load(BETA + bh % H)
@@ -166,13 +191,17 @@ def _knn_fwd(Q, K, V, BETA, LO, HI, OUT, STATS, JT,
             vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None])
             s = tl.where(vis, s, -inf)
             kth = tl.max(tl.where(kcol == k_top - 1, run, -inf), 1)
-            if tl.max(tl.max((s > kth[:, None]).to(tl.int32), 1), 0) > 0:
+            beat = s > kth[:, None]  # the entries that enter their row's top k
+            most = tl.max(tl.sum(beat.to(tl.int32), 1), 0)
+            if most > INSERTS:  # some row takes many: the bitonic network
                 if LIBRARY_SORT:  # Triton's bitonic top-k and merge (compiled)
                     top = tl.flip(tl.topk(s, K_PAD), 1)
                     run = tl.bitonic_merge(tl.maximum(run, top), descending=True)
                 else:  # the same network from min / max (interpreted)
                     top = _top_ascending(s, BLOCK_M, BLOCK_N, K_PAD, LOG_N, LOG_K)
                     run = _merge(tl.maximum(run, top), BLOCK_M, K_PAD, LOG_K, 0, True)
+            elif most > 0:  # at most INSERTS per row: inserted one value at a time
+                run = _insert(run, tl.where(beat, s, -inf), most, kcol)
         tau = tl.max(tl.where(kcol == k_top - 1, run, -inf), 1)
         need = tl.sum(((kcol < k_top) & (run == tau[:, None])).to(tl.int32), 1)
 
@@ -189,11 +218,20 @@ def _knn_fwd(Q, K, V, BETA, LO, HI, OUT, STATS, JT,
                      mask=(cols[:, None] < S) & (dv[None, :] < HV), other=0.0)
         vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None])
         eq = vis & (s == tau[:, None])
-        rank = ties[:, None] + tl.cumsum(eq.to(tl.int32), 1)
-        sel = vis & ((s > tau[:, None]) | (eq & (rank <= need[:, None])))
-        last = tl.max(tl.where(eq & (rank == need[:, None]), cols[None, :], -1), 1)
+        n_eq = tl.sum(eq.to(tl.int32), 1)
+        after = ties + n_eq  # entries equal to tau up to this tile's end
+        if tl.max(((ties < need) & (after > need)).to(tl.int32), 0) > 0:
+            # a row's ties cross its count here: only the first need are taken
+            rank = ties[:, None] + tl.cumsum(eq.to(tl.int32), 1)
+            take = eq & (rank <= need[:, None])
+            last = tl.max(tl.where(eq & (rank == need[:, None]), cols[None, :], -1), 1)
+        else:  # each row takes all of its ties here, or none
+            take = eq & (after <= need)[:, None]
+            last = tl.where((after == need) & (n_eq > 0),
+                            tl.max(tl.where(eq, cols[None, :], -1), 1), -1)
+        sel = vis & ((s > tau[:, None]) | take)
         jt = tl.maximum(jt, last)
-        ties += tl.sum(eq.to(tl.int32), 1)
+        ties = after
         if UNIFORM:
             w = sel.to(tl.float32)
             l_i += tl.sum(w, 1)
