@@ -104,7 +104,8 @@ def compile_launch(fn, args: tuple, kwargs: dict, arch: int) -> dict:  # noqa: A
     kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
                             options=options.__dict__)
     ok = bool(kernel.asm["cubin"]) and ".entry" in kernel.asm["ptx"]
-    return {"ok": ok, "hinted": hinted, **_resources(kernel.asm["cubin"])}
+    return {"ok": ok, "hinted": hinted, "shared": kernel.metadata.shared,
+            **_resources(kernel.asm["cubin"])}
 
 
 def compile_all() -> dict[str, dict]:

@@ -185,34 +185,32 @@ def test_bad_input_names_the_fix() -> None:
 
 
 _COMPILE_CHILD = r"""
-import importlib.util, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from triton.runtime.jit import JITFunction
+from test_fused_compile import compile_launch
+from mosaics.ops.knn_attention import knn_attention
 
-spec = importlib.util.spec_from_file_location("knn_kernels", sys.argv[1])
-mod = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mod)
-FLOAT_PTRS = {"BETA", "STATS", "DELTA", "DBETA"}
-INT_PTRS = {"LO", "HI", "JT"}
+calls = []
+JITFunction.run = lambda self, *args, grid, warmup, **kw: calls.append((self, args, kw))
 out = []
-for name, dtype, consts in json.loads(sys.argv[2]):
-    fn = getattr(mod, name)
-    sig = {}
-    for arg in fn.arg_names:
-        if arg in consts:
-            sig[arg] = "constexpr"
-        elif arg in FLOAT_PTRS:
-            sig[arg] = "*fp32"
-        elif arg in INT_PTRS:
-            sig[arg] = "*i32"
-        elif arg in ("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"):
-            sig[arg] = "*" + dtype
-        else:
-            sig[arg] = "i32"
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    out.append([name, ".entry" in kernel.asm["ptx"], kernel.metadata.shared])
+for dtype, k_top, uniform, bounds, products, names in json.loads(sys.argv[2]):
+    calls.clear()
+    B, H, n, hs = 1, 2, 128, 64
+    q, k, v = (torch.randn(B, H, n, hs, dtype=getattr(torch, dtype), requires_grad=True)
+               for _ in range(3))
+    beta = torch.ones(H, requires_grad=True)
+    lo = torch.zeros(B, n, dtype=torch.long) if bounds else None
+    hi = torch.arange(n).view(1, n) - 1 if bounds else None
+    knn_attention(q, k, v, beta, -1, k_top, uniform, lo, hi).sum().backward()
+    cuda = {"LIBRARY_SORT": True, "PRODUCTS": products,
+            "PRECISION": "ieee" if dtype == "float32" else "native"}
+    for fn, args, kw in calls:
+        if fn.__name__ in names:
+            kw = kw | {key: value for key, value in cuda.items() if key in kw}
+            r = compile_launch(fn, args, kw | {"num_warps": 4}, 90)
+            out.append([fn.__name__, r["ok"], r["shared"], r["hinted"]])
 print(json.dumps(out))
 """
 
@@ -221,29 +219,27 @@ print(json.dumps(out))
 def test_kernels_compile_for_sm90() -> None:
     """The compiled path (tl.topk / tl.bitonic_merge, native bf16 products) builds down to
     cubin for sm_90 within the shared memory of an H100, in a child process without the
-    interpreter (Triton decides at import whether its library is interpreted)."""
+    interpreter (Triton decides at import whether its library is interpreted): each kernel
+    from a recorded launch of the op at head size 64, with its CUDA settings and Triton's own
+    specialization (divisibility hints; tests/test_fused_compile.py)."""
     import json
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
-    common = {"BLOCK_M": 64, "BLOCK_N": 64, "HS_PAD": 64, "HV_PAD": 64, "HAS_BOUNDS": False}
-    fwd = {**common, "SELECT_ALL": False, "LIBRARY_SORT": True, "LOG_N": 6,
-           "INSERTS": knn_ops.MERGE_INSERTS}
-    fp32, tf32 = {"PRECISION": "ieee", "PRODUCTS": "ieee"}, {"PRECISION": "ieee",
-                                                             "PRODUCTS": "tf32"}
-    bf16 = {"PRECISION": "native", "PRODUCTS": "native"}
-    cases = [
-        ("_knn_fwd", "fp32", {**fwd, **fp32, "K_PAD": 16, "LOG_K": 4, "UNIFORM": False}),
-        ("_knn_fwd", "bf16", {**fwd, **bf16, "K_PAD": 4, "LOG_K": 2, "UNIFORM": True,
-                              "HAS_BOUNDS": True}),
-        ("_knn_bwd_dkdv", "bf16", {**common, **bf16, "UNIFORM": False}),
-        ("_knn_bwd_dq", "fp32", {**common, **tf32}),
+    cases = [  # dtype, k, uniform, intervals, products, kernels compiled
+        ("float32", 16, False, False, "tf32", ["_knn_fwd", "_knn_bwd_dq"]),
+        ("bfloat16", 4, True, True, "native", ["_knn_fwd"]),
+        ("bfloat16", 16, False, False, "native", ["_knn_bwd_dkdv"]),
     ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_CHILD, str(knn_ops._KERNELS),
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", _COMPILE_CHILD, str(Path(__file__).parent),
                            json.dumps(cases)], env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    for name, has_entry, shared in json.loads(done.stdout.strip().splitlines()[-1]):
-        assert has_entry and shared <= 232448, (name, shared)
+    compiled = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(compiled) == 4, compiled
+    for name, has_entry, shared, hinted in compiled:
+        assert has_entry and shared <= 232448 and hinted > 0, (name, shared, hinted)
