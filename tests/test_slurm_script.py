@@ -85,7 +85,8 @@ def test_the_batch_script_trains_two_ranks_and_resumes(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("status,requeued,exit_status", [("75", True, 0), ("1", False, 1)])
+@pytest.mark.parametrize("status,requeued,exit_status",
+                         [("75", True, 0), ("76", True, 0), ("1", False, 1)])
 def test_requeue_only_after_the_preemption_status(tmp_path, status, requeued, exit_status):
     proc, calls = _run(tmp_path, srun_status=status)
     assert proc.returncode == exit_status
