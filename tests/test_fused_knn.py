@@ -131,6 +131,48 @@ def test_key_blocks_that_enter_no_top_k() -> None:
     compare(q, k, v, torch.tensor([3.0, 7.0]), -1, 5, uniform=False)
 
 
+@pytest.mark.parametrize("keys", ["random", "ties"])
+def test_work_model_counts_the_kernels_merges_and_insertions(keys: str, monkeypatch) -> None:
+    # bench/work_model.py's replica of pass 1 against the kernel's own calls of the bitonic
+    # top-k and of the insertion (and its steps), 64-column tiles, query i sees keys j <= i
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_work_model_knn", Path(__file__).resolve().parents[1] / "bench" / "work_model.py")
+    wm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wm)
+    if keys == "random":
+        kk = wm.check_keys(400, 1, 16)[0, 0]
+        q, k, k_top = kk[1:], kk[:-1], 4
+    else:  # exact dyadic scores, ties at the k-th value
+        q, k, _ = dyadic(200, 200, distinct=40, seed=8)
+        q, k, k_top = q[0, 0].float(), k[0, 0].float(), 3
+    mod = tb.triton_module(knn_ops._KERNELS)
+    counts = {"network": 0, "insert": 0, "steps": 0}
+    top, insert = mod._top_ascending, mod._insert
+
+    def counted_top(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        counts["network"] += 1
+        return top(*args, **kwargs)
+
+    def counted_insert(run, cand, steps, kcol):  # noqa: ANN001, ANN202
+        counts["insert"] += 1
+        counts["steps"] += int(steps.handle.data.reshape(-1)[0])
+        return insert(run, cand, steps, kcol)
+
+    monkeypatch.setattr(mod, "_top_ascending", counted_top)
+    monkeypatch.setattr(mod, "_insert", counted_insert)
+    n, hs = q.shape
+    x = q.reshape(1, 1, n, hs)
+    knn_attention(x, k.reshape(1, 1, n, hs), k.reshape(1, 1, n, hs), torch.tensor([3.0]), 0,
+                  k_top)
+    want = wm.knn_head(q, k, k_top, 64, 64)
+    assert counts == {"network": want["merges"], "insert": want["inserts"],
+                      "steps": want["insert_steps"]}
+    assert counts["network"] > 0 and counts["insert"] > 0
+
+
 def test_empty_rows_offsets_and_bfloat16() -> None:
     # offset -3: rows 0..2 see nothing -> output 0, gradients finite; bf16 inputs, fp32 sums
     q, k, v = inputs(70, 70, seed=5)
