@@ -38,8 +38,8 @@ def _leaves(xs):
     return [x for x in xs if x is not None]
 
 
-def _check(low, ref, chunk, dtype, eps=1e-20, tol=None):
-    y = causal_linear_attention(*low, eps=eps, chunk=chunk)
+def _check(low, ref, chunk, dtype, eps=1e-20, tol=None, precision=None):
+    y = causal_linear_attention(*low, eps=eps, chunk=chunk, precision=precision)
     assert y.dtype == dtype and y.shape == low[2].shape
     y_ref = causal_linear_attention_reference(*ref, eps=eps)
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1),
@@ -75,6 +75,27 @@ def test_fused_fp16_and_mixed_dtypes(fused):
     ref = causal_linear_attention_reference(q.double(), k.double(), v.bfloat16().double())
     assert y.dtype == torch.float32
     torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "bf16"])
+def test_precision_overrides_match_float64_reference(fused, precision):
+    """fp32 inputs with each ``precision``: IEEE and tf32x3 at fp32 tolerance, bf16 operands
+    (fp32 accumulation and states, fp32 outputs) at bf16 tolerance."""
+    low, ref = _inputs(1, 2, 37, 20, 11, torch.float32, False, seed=2)
+    tol = (1e-2, 6e-2) if precision == "bf16" else None
+    _check(low, ref, 16, torch.float32, tol=tol, precision=precision)
+
+
+def test_bf16_products_round_the_operands(fused):
+    """precision="bf16" on fp32 inputs equals the bf16 inputs' own run up to the order of
+    the fp32 sums and the output's rounding (both multiply the same bf16 numbers)."""
+    low, _ = _inputs(1, 1, 40, 12, 8, torch.bfloat16, False, seed=6)
+    y16 = causal_linear_attention(*low, chunk=16)
+    y32 = causal_linear_attention(*(x.float() for x in low), chunk=16, precision="bf16")
+    assert y32.dtype == torch.float32
+    torch.testing.assert_close(y32.bfloat16(), y16, atol=1e-2, rtol=1e-2)
+    exact = causal_linear_attention(*(x.float() for x in low), chunk=16)
+    assert (y32 - exact).abs().max() > 0  # the (C, C) block and the states were rounded
 
 
 def test_row_without_memory_is_zero(fused):
@@ -115,6 +136,8 @@ def test_bad_inputs_name_the_fix():
         causal_linear_attention(q, None, torch.randn(1, 2, 8, 3), chunk=24)
     with pytest.raises(ValueError, match=r"values v \(B, H, T, D\)"):
         causal_linear_attention(q, None, torch.randn(1, 2, 7, 3))
+    with pytest.raises(ValueError, match="precision must be None or one of"):
+        causal_linear_attention(q, None, torch.randn(1, 2, 8, 3), precision="fp8")
 
 
 def _fska(positive="elu1"):
@@ -149,6 +172,35 @@ def test_fska_fused_path_equals_chunked_path(fused, monkeypatch, training):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+def test_fska_fused_precision_follows_keys_and_autocast(fused, monkeypatch):
+    """bf16 keys, or fp32 keys under a bf16 autocast, take bf16 products (fp32 accumulation
+    and states) on the fused path: within bf16 tolerance of the fp32 PyTorch path; fp32 keys
+    without autocast keep fp32 products."""
+    from mosaics.ops.feature_attention import fused_precision
+
+    kernel = _fska().eval()
+    g = torch.Generator().manual_seed(7)
+    keys = torch.nn.functional.normalize(torch.randn(1, 2, 40, 6, generator=g), dim=-1)
+    values = torch.randn(1, 2, 40, 6, generator=g)
+    beta = torch.tensor([2.0, 7.0])
+    assert fused_precision(keys) is None and fused_precision(keys.bfloat16()) == "bf16"
+    monkeypatch.setenv("MOSAICS_FUSED", "0")
+    want = kernel(keys, values, beta)
+    monkeypatch.setenv("MOSAICS_FUSED", "1")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fused_precision(keys) == "bf16"
+        k = keys.clone().requires_grad_()
+        got = kernel(k, values, beta)
+    assert triton_backend.PATHS["fska"] == "fused" and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    assert (got - want).abs().max() > 1e-6  # bf16 operands, not fp32 ones
+    (dk,) = torch.autograd.grad(got.sum(), k)
+    assert torch.isfinite(dk).all()
+    got = kernel(keys.bfloat16(), values.bfloat16(), beta)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+
+
 def test_fska_exp_map_records_its_chunked_path(fused):
     kernel = _fska("exp").eval()
     keys = torch.nn.functional.normalize(torch.randn(1, 2, 9, 6), dim=-1)
@@ -175,6 +227,18 @@ def test_compiled_kernels_on_cuda(monkeypatch, dtype, tf32, shared, T, F, D):
     low = [None if x is None else x.detach().cuda().requires_grad_() for x in low]
     ref = [None if x is None else x.detach().cuda().requires_grad_() for x in ref]
     _check(low, ref, 64, dtype, tol=(1e-2, 5e-2) if tf32 else None)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("precision", ["tf32x3", "bf16"])
+def test_compiled_precision_overrides_on_cuda(precision):
+    """fp32 inputs with tf32x3 products (fp32 tolerance) or bf16 operands (bf16 tolerance)."""
+    low, ref = _inputs(2, 3, 1000, 192, 64, torch.float32, True)
+    low = [None if x is None else x.detach().cuda().requires_grad_() for x in low]
+    ref = [None if x is None else x.detach().cuda().requires_grad_() for x in ref]
+    tol = (1e-2, 6e-2) if precision == "bf16" else (1e-4, 1e-3)
+    _check(low, ref, 64, torch.float32, tol=tol, precision=precision)
 
 
 @pytest.mark.cuda

@@ -40,6 +40,7 @@ from ..ops.feature_attention import (
     CosineFeatureAttention,
     FusedElu1Attention,
     chunked_causal_linear_attention,
+    fused_precision,
     interval_linear_attention,
     log_pairs,
     pair_weights,
@@ -216,13 +217,14 @@ class FSKAKernel(Kernel):
     # -- retrieval -----------------------------------------------------------------------
     def forward(self, keys: Tensor, values: Tensor, beta: Tensor) -> Tensor:
         self._check(keys)
+        precision = fused_precision(keys)  # bf16 products for half keys or a half autocast
         with torch.autocast(device_type=keys.device.type, enabled=False):
             w1, w2 = self.frequencies(beta)
             x = keys.float()
             reason = self._fused_reason(x, values.float())  # fp32, as the chunked paths
             note_path(self.name, reason, expected=fused_expected(x))
             if reason is None:
-                return self._fused(x, values.float(), w1, w2).to(values.dtype)
+                return self._fused(x, values.float(), w1, w2, precision).to(values.dtype)
             if self.positive == "elu1":
                 y = CosineFeatureAttention.apply(x, values.float(), w1, w2, self.chunk_size,
                                                   self.eps)
@@ -249,13 +251,16 @@ class FSKAKernel(Kernel):
         return fused_reason(x, values) or linear_attention_unsupported(x, None, values)
 
     @torch.compiler.disable  # Triton launches from a module loaded by path: run them eagerly
-    def _fused(self, x: Tensor, v: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+    def _fused(self, x: Tensor, v: Tensor, w1: Tensor, w2: Tensor,
+               precision: str | None = None) -> Tensor:
         """The strict-past retrieval through the fused kernels (:class:`FusedElu1Attention`),
         in chunks of ``chunk_size`` rows when that is a power of two from 16 to 128 (a
-        ``tl.dot`` side; the per-chunk blocks stay in registers), else of 64."""
+        ``tl.dot`` side; the per-chunk blocks stay in registers), else of 64; ``precision``
+        from :func:`~mosaics.ops.feature_attention.fused_precision`."""
         c = self.chunk_size
         chunk = c if 16 <= c <= 128 and c & (c - 1) == 0 else 64
-        return FusedElu1Attention.apply(x.contiguous(), v.contiguous(), w1, w2, self.eps, chunk)
+        return FusedElu1Attention.apply(x.contiguous(), v.contiguous(), w1, w2, self.eps, chunk,
+                                        precision)
 
     def attend(self, queries: Tensor, keys: Tensor, values: Tensor, beta: Tensor,
                lo: Tensor, hi: Tensor) -> Tensor:

@@ -463,21 +463,35 @@ class _Segments:
         return da
 
 
+def fused_precision(x: Tensor) -> str | None:
+    """The fused scan's products for keys x (:class:`FusedElu1Attention`): ``"bf16"`` (bf16
+    operands, fp32 accumulation and states) for bf16 / fp16 keys or under a bf16 / fp16
+    autocast on x's device, else None (fp32 operands: IEEE, or TF32 where PyTorch allows)."""
+    half = (torch.bfloat16, torch.float16)
+    device = x.device.type
+    if x.dtype in half or (torch.is_autocast_enabled(device)
+                           and torch.get_autocast_dtype(device) in half):
+        return "bf16"
+    return None
+
+
 class FusedElu1Attention(torch.autograd.Function):
     """:class:`CosineFeatureAttention`'s result through the fused Triton scan
     (:func:`mosaics.ops.linear_attention.fused_forward`, chunks of C rows): the elu1 features
     g = ELU(phi(x)) + 1 (B, H, T, 2M) in PyTorch (one GEMM and elementwise maps), then
-    y_t = sum_{s<t} (g_t . g_s) v_s / (sum_{s<t} g_t . g_s + eps) in one pass each way.
+    y_t = sum_{s<t} (g_t . g_s) v_s / (sum_{s<t} g_t . g_s + eps) in one pass each way, with
+    the products of ``precision`` (see :mod:`mosaics.ops.linear_attention`; None: fp32
+    operands, "bf16": bf16 operands, both with fp32 accumulation and states).
     Saves x, v, w1, w2, y and den' (no T x M' tensor): backward recomputes g, gets dg and dv
     from :func:`~mosaics.ops.linear_attention.fused_backward` and dg's way back to x and the
     frequencies through autograd of the feature map."""
 
     @staticmethod
     def forward(ctx, x: Tensor, v: Tensor, w1: Tensor, w2: Tensor, eps: float,
-                chunk: int) -> Tensor:
-        y, den = fused_forward(elu1_features(x, w1, w2), None, v, eps, chunk)
+                chunk: int, precision: str | None = None) -> Tensor:
+        y, den = fused_forward(elu1_features(x, w1, w2), None, v, eps, chunk, precision)
         ctx.save_for_backward(x, v, w1, w2, y, den)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.precision = chunk, precision
         return y
 
     @staticmethod
@@ -487,9 +501,9 @@ class FusedElu1Attention(torch.autograd.Function):
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (x, w1, w2)]
             g = elu1_features(*inputs)
-        dg, _, dv = fused_backward(g.detach(), None, v, y, den, dy, ctx.chunk)
+        dg, _, dv = fused_backward(g.detach(), None, v, y, den, dy, ctx.chunk, ctx.precision)
         dx, dw1, dw2 = torch.autograd.grad(g, inputs, dg)
-        return dx, dv, dw1, dw2, None, None
+        return dx, dv, dw1, dw2, None, None, None
 
 
 NO_MEMORY = -1e30  # log-scale of an empty memory (finite, so differences stay defined)

@@ -20,7 +20,11 @@ in that dtype with fp32 accumulation; fp32 products use TF32 on the GPU only whe
 own fp32 matmuls may (``torch.backends.cuda.matmul.allow_tf32``, i.e.
 ``torch.set_float32_matmul_precision("high")``), IEEE fp32 otherwise. With bf16 / fp16 inputs
 the fp32 chunk states, the (C, C) blocks and dy / den are rounded to that dtype where they
-enter a product (as flash attention rounds its probabilities).
+enter a product (as flash attention rounds its probabilities). ``precision`` overrides the
+choice (:data:`PRECISIONS`): ``"ieee"``, ``"tf32"`` or ``"tf32x3"`` (three TF32 products, about
+fp32 accuracy on tensor cores) for fp32 operands, or ``"bf16"``: every operand rounded to bf16
+(tensor cores at bf16 rate) whatever the inputs' dtype, still with fp32 accumulation, fp32
+states and outputs in the inputs' dtype.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ KERNEL_FILE = kernel_source(__file__, "linear_attention")
 CHUNK = 64  # rows per chunk of the fused kernels
 MAX_VALUE_DIM = 128  # a chunk's (C, D) blocks stay in registers and shared memory
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16")  # the ``precision`` overrides
 # The per-chunk kernels hold several (C, C) and (C, D) fp32 blocks: 8 warps keep them in
 # registers, 2 stages keep the pipelined (C, BK) tiles within shared memory. Compiled for
 # sm_90 (ptxas -v), C 64, D 64: forward BK 32 uses 154 registers (fp32) / 128 (bf16) and no
@@ -89,17 +94,32 @@ def linear_attention_unsupported(q: Tensor, k: Tensor | None, v: Tensor) -> str 
     return None
 
 
-def _dot_args(dtype: torch.dtype, device: torch.device) -> dict:
-    """The kernels' PREC (fp32 products: "ieee", or "tf32" where PyTorch allows TF32), DT
-    (the inputs' dtype, to which every product operand is rounded) and DOT (the operands'
-    dtype: DT, or fp32 for bf16 under Triton's interpreter, see ``_op`` in the kernels)."""
+def check_precision(precision: str | None) -> None:
+    """Raise ValueError unless ``precision`` is None (from the inputs) or in PRECISIONS."""
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"causal_linear_attention: precision must be None or one of "
+                         f"{PRECISIONS}, got {precision!r}")
+
+
+def _dot_args(dtype: torch.dtype, device: torch.device, precision: str | None = None) -> dict:
+    """The kernels' PREC (fp32 products: "ieee", "tf32" or "tf32x3"; by default "tf32" where
+    PyTorch allows TF32), DT (the dtype to which every product operand is rounded: the
+    inputs', or bf16 with ``precision="bf16"``) and DOT (the operands' dtype: DT, or fp32 for
+    bf16 under Triton's interpreter, see ``_op`` in the kernels)."""
     import triton.language as tl
 
+    check_precision(precision)
     cuda = device.type == "cuda"
-    tf32 = not cuda or torch.backends.cuda.matmul.allow_tf32
+    if precision == "bf16":
+        dtype = torch.bfloat16
+    if precision in (None, "bf16"):
+        tf32 = not cuda or torch.backends.cuda.matmul.allow_tf32
+        prec = "tf32" if tf32 and precision is None else "ieee"
+    else:
+        prec = precision
     dt = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
     dot = tl.float32 if dtype == torch.bfloat16 and not cuda else dt[dtype]
-    return {"PREC": "tf32" if tf32 else "ieee", "DT": dt[dtype], "DOT": dot}
+    return {"PREC": prec, "DT": dt[dtype], "DOT": dot}
 
 
 def _chunk_states(mod: ModuleType, a: Tensor, b: Tensor, w: Tensor | None, reverse: bool,
@@ -118,18 +138,18 @@ def _chunk_states(mod: ModuleType, a: Tensor, b: Tensor, w: Tensor | None, rever
     return S, z
 
 
-def fused_forward(q: Tensor, k: Tensor | None, v: Tensor, eps: float,
-                  chunk: int = CHUNK) -> tuple[Tensor, Tensor]:
+def fused_forward(q: Tensor, k: Tensor | None, v: Tensor, eps: float, chunk: int = CHUNK,
+                  precision: str | None = None) -> tuple[Tensor, Tensor]:
     """The fused forward, no autograd: y (B, H, T, D) and den' = den + eps (B, H, T) fp32,
     from q, k (B, H, T, F) (k None: k = q) and v (B, H, T, D), contiguous, of one dtype
     (checked by :func:`causal_linear_attention`; also the building block of a caller's own
-    autograd Function, as FSKA's)."""
+    autograd Function, as FSKA's); ``precision`` as in :func:`causal_linear_attention`."""
     B, H, T, F = q.shape
     D = v.shape[-1]
     if q.numel() == 0 or v.numel() == 0:  # nothing to launch (a grid may not be empty)
         return torch.zeros_like(v), q.new_full((B, H, T), eps, dtype=torch.float32)
     mod = triton_module(KERNEL_FILE, q.device)
-    dots = _dot_args(q.dtype, q.device)
+    dots = _dot_args(q.dtype, q.device, precision)
     kk = q if k is None else k
     q3, k3, v3 = q.view(B * H, T, F), kk.view(B * H, T, F), v.view(B * H, T, D)
     P, z = _chunk_states(mod, k3, v3, None, False, chunk, dots)
@@ -144,7 +164,8 @@ def fused_forward(q: Tensor, k: Tensor | None, v: Tensor, eps: float,
 
 
 def fused_backward(q: Tensor, k: Tensor | None, v: Tensor, y: Tensor, den: Tensor, dy: Tensor,
-                   chunk: int = CHUNK) -> tuple[Tensor, Tensor | None, Tensor]:
+                   chunk: int = CHUNK, precision: str | None = None
+                   ) -> tuple[Tensor, Tensor | None, Tensor]:
     """(dq, dk, dv) of :func:`fused_forward` from its inputs, its (y, den') and dy (B, H, T, D);
     dk None when k is None (then dq is the whole gradient of the shared features). The chunk
     states are recomputed."""
@@ -154,7 +175,7 @@ def fused_backward(q: Tensor, k: Tensor | None, v: Tensor, y: Tensor, den: Tenso
     if q.numel() == 0 or v.numel() == 0:  # y = 0 whatever the inputs
         return torch.zeros_like(q), None if k is None else torch.zeros_like(k), torch.zeros_like(v)
     mod = triton_module(KERNEL_FILE, q.device)
-    dots = _dot_args(q.dtype, q.device)
+    dots = _dot_args(q.dtype, q.device, precision)
     kk = q if k is None else k
     q3, k3, v3 = q.view(BH, T, F), kk.view(BH, T, F), v.view(BH, T, D)
     dy = dy.reshape(BH, T, D).contiguous()
@@ -181,21 +202,22 @@ class _LinearAttention(torch.autograd.Function):
     y and den'."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor | None, v: Tensor, eps: float, chunk: int) -> Tensor:
-        y, den = fused_forward(q, k, v, eps, chunk)
+    def forward(ctx, q: Tensor, k: Tensor | None, v: Tensor, eps: float, chunk: int,
+                precision: str | None) -> Tensor:
+        y, den = fused_forward(q, k, v, eps, chunk, precision)
         ctx.save_for_backward(q, k, v, y, den)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.precision = chunk, precision
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy: Tensor):  # noqa: ANN205
         q, k, v, y, den = ctx.saved_tensors
-        return (*fused_backward(q, k, v, y, den, dy, ctx.chunk), None, None)
+        return (*fused_backward(q, k, v, y, den, dy, ctx.chunk, ctx.precision), None, None, None)
 
 
 def causal_linear_attention(q: Tensor, k: Tensor | None, v: Tensor, eps: float = 1e-20,
-                            chunk: int = CHUNK) -> Tensor:
+                            chunk: int = CHUNK, precision: str | None = None) -> Tensor:
     """y_t = sum_{s<t} (q_t . k_s) v_s / (sum_{s<t} q_t . k_s + eps), 0 where the denominator
     is 0 (row 0 with eps = 0).
 
@@ -204,6 +226,8 @@ def causal_linear_attention(q: Tensor, k: Tensor | None, v: Tensor, eps: float =
         v: (B, H, T, D) (the fused kernels take D <= 128).
         eps: added to the denominator.
         chunk: rows per chunk, a power of two >= 16 (the cost per row is O((C + D) F)).
+        precision: the fused kernels' products: None (from the inputs' dtype), or one of
+            PRECISIONS (see the module docstring); the PyTorch chunks ignore it.
     Returns:
         (B, H, T, D) in the promoted dtype of the inputs.
 
@@ -216,6 +240,7 @@ def causal_linear_attention(q: Tensor, k: Tensor | None, v: Tensor, eps: float =
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"causal_linear_attention: chunk must be a power of two >= 16, "
                          f"got {chunk!r}")
+    check_precision(precision)
     dtype = q.dtype if k is None else torch.promote_types(q.dtype, k.dtype)
     dtype = torch.promote_types(dtype, v.dtype)
     tensors = (q, v) if k is None else (q, k, v)
@@ -224,7 +249,7 @@ def causal_linear_attention(q: Tensor, k: Tensor | None, v: Tensor, eps: float =
                                   eps, chunk)
     q, v = q.to(dtype).contiguous(), v.to(dtype).contiguous()
     k = None if k is None else k.to(dtype).contiguous()
-    return _LinearAttention.apply(q, k, v, float(eps), chunk)
+    return _LinearAttention.apply(q, k, v, float(eps), chunk, precision)
 
 
 def _chunked_reference(q: Tensor, k: Tensor | None, v: Tensor, eps: float,
