@@ -201,6 +201,60 @@ def test_fska_fused_precision_follows_keys_and_autocast(fused, monkeypatch):
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
 
 
+def _elu1_inputs(HS, M, T=45, D=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.nn.functional.normalize(torch.randn(2, 2, T, HS, generator=g), dim=-1)
+    w1, w2 = (torch.randn(2, M, HS, generator=g) * 2 for _ in range(2))
+    return x, w1, w2, torch.randn(2, 2, T, D, generator=g)
+
+
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_in_kernel_elu1_map_matches_float64_reference(fused, monkeypatch, precision):
+    """The ELU+1 features computed inside the chunk kernels (20 frequency pairs: two blocks;
+    head size 6, T 45, chunks of 16): output and gradients to the keys, both frequency sets and
+    the values against autograd through the float64 features and the dense reference; no
+    (B, H, T, 2M) feature tensor is formed in PyTorch on the way."""
+    from mosaics.ops import feature_attention as fa
+
+    x, w1, w2, v = _elu1_inputs(6, 20)
+    ref = [t.double().requires_grad_() for t in (x, w1, w2, v)]
+    y_ref = causal_linear_attention_reference(fa.elu1_features(*ref[:3]), None, ref[3])
+    dy = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(1),
+                     dtype=torch.float64)
+    want = (y_ref, *torch.autograd.grad(y_ref, ref, dy))
+
+    def no_features(*args):
+        raise AssertionError("features formed in PyTorch")
+
+    monkeypatch.setattr(fa, "elu1_features", no_features)
+    low = [t.clone().requires_grad_() for t in (x, w1, w2, v)]
+    y = fa.FusedElu1Attention.apply(low[0], low[3], low[1], low[2], 1e-20, 16, precision)
+    dx, dw1, dw2, dv = torch.autograd.grad(y, low, dy.float())
+    tol = (2e-5, 2e-5) if precision is None else (1e-2, 3e-2)
+    for i, (got, ref_) in enumerate(zip((y, dx, dw1, dw2, dv), want, strict=True)):
+        assert got.dtype == torch.float32
+        err = (got.double() - ref_).abs().max().item()
+        assert err <= tol[i > 0] * ref_.abs().max().item(), (i, err)
+
+
+def test_elu1_map_past_the_kernels_head_size_forms_features(fused):
+    """Head size 129 (past the in-kernel map's 128): the features are formed in PyTorch and
+    the plain fused scan runs on them, equal to the segmented PyTorch scan."""
+    from mosaics.ops.feature_attention import CosineFeatureAttention, FusedElu1Attention
+    from mosaics.ops.linear_attention import elu1_unsupported
+
+    x, w1, w2, v = _elu1_inputs(129, 3, T=20, D=5)
+    assert "head size 129" in elu1_unsupported(x, w1, v)
+    results = []
+    for fn in (FusedElu1Attention, CosineFeatureAttention):
+        leaves = [t.clone().requires_grad_() for t in (x, v, w1, w2)]
+        y = fn.apply(*leaves, 16, 1e-20) if fn is CosineFeatureAttention else fn.apply(
+            *leaves, 1e-20, 16)
+        results.append((y, *torch.autograd.grad(y.sin().sum(), leaves)))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
 def test_fska_exp_map_records_its_chunked_path(fused):
     kernel = _fska("exp").eval()
     keys = torch.nn.functional.normalize(torch.randn(1, 2, 9, 6), dim=-1)
@@ -286,16 +340,22 @@ def compile_check(dtype_name: str) -> None:
     dt = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}[dtype]
     ptr = {torch.float32: "*fp32", torch.bfloat16: "*bf16"}[dtype]
     dots = {"PREC": "ieee" if dtype == torch.float32 else "tf32", "DT": dt, "DOT": dt}
-    types = {n: "i32" for n in ("T", "F", "D", "NC")} | {"eps": "fp32"} | {
-        n: "*fp32" for n in ("w_ptr", "s_ptr", "z_ptr", "den_ptr", "dd_ptr", "rs_ptr", "rz_ptr")}
+    types = {n: "i32" for n in ("T", "F", "D", "NC", "M", "HS", "H")} | {
+        n: "fp32" for n in ("eps", "scale")} | {
+        n: "*fp32" for n in ("w_ptr", "s_ptr", "z_ptr", "den_ptr", "dd_ptr", "rs_ptr", "rz_ptr",
+                             "x_ptr", "w1_ptr", "w2_ptr", "dx_ptr", "dw1_ptr", "dw2_ptr")}
+    elu1 = {"C": 64, "BM": la.ELU1_BM, "BS": 64, "APREC": "tf32x3", **dots}
     cases = [(mod.chunk_states, {"HAS_W": True, "REVERSE": True, "C": 64, "BK": 32, "BD": 32,
                                  **dots}, {}),
-             (mod.output_grad, {"BT": 64, "BD": la.MAX_VALUE_DIM, "DT": dt}, {})]
+             (mod.output_grad, {"BT": 64, "BD": la.MAX_VALUE_DIM, "DT": dt}, {}),
+             (mod.elu1_chunk_states, {"HAS_W": True, "REVERSE": True, "BD": 32, **elu1}, {})]
     for BD in (64, la.MAX_VALUE_DIM):
         cases += [(mod.chunk_forward, {"C": 64, "BK": la.FORWARD_BK, "BD": BD, **dots},
                    la.LAUNCH),
                   (mod.chunk_backward, {"SHARED": True, "C": 64, "BK": la._backward_bk(dtype),
-                                        "BD": BD, **dots}, la.LAUNCH)]
+                                        "BD": BD, **dots}, la.LAUNCH),
+                  (mod.elu1_chunk_forward, {"BD": BD, **elu1}, la.LAUNCH),
+                  (mod.elu1_chunk_backward, {"BD": BD, **elu1}, la.LAUNCH)]
     for fn, consts, options in cases:
         signature = {n: "constexpr" if n in consts else types.get(n, ptr) for n in fn.arg_names}
         src = ASTSource(fn=fn, signature=signature, constexprs=consts)
@@ -325,4 +385,4 @@ def test_kernels_compile_for_sm90_without_a_gpu(dtype):
     if out.returncode and "ptxas" in out.stderr and "not found" in out.stderr.lower():
         pytest.skip(f"no ptxas for sm_90 here: {out.stderr[-300:]}")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("shared") == 6
+    assert out.stdout.count("shared") == 11

@@ -23,7 +23,13 @@ from torch.autograd.function import once_differentiable
 
 from .intervals import attend_plan, bounds_mask, interval_bounds
 from .leaky import chunk_grid, merge_chunks, split_chunks
-from .linear_attention import fused_backward, fused_forward
+from .linear_attention import (
+    elu1_unsupported,
+    fused_backward,
+    fused_elu1_backward,
+    fused_elu1_forward,
+    fused_forward,
+)
 
 
 def interval_linear_attention_reference(fq: Tensor, fk: Tensor, values: Tensor, lo: Tensor,
@@ -476,28 +482,39 @@ def fused_precision(x: Tensor) -> str | None:
 
 
 class FusedElu1Attention(torch.autograd.Function):
-    """:class:`CosineFeatureAttention`'s result through the fused Triton scan
-    (:func:`mosaics.ops.linear_attention.fused_forward`, chunks of C rows): the elu1 features
-    g = ELU(phi(x)) + 1 (B, H, T, 2M) in PyTorch (one GEMM and elementwise maps), then
+    """:class:`CosineFeatureAttention`'s result through the fused Triton scan, chunks of C rows:
     y_t = sum_{s<t} (g_t . g_s) v_s / (sum_{s<t} g_t . g_s + eps) in one pass each way, with
     the products of ``precision`` (see :mod:`mosaics.ops.linear_attention`; None: fp32
     operands, "bf16": bf16 operands, both with fp32 accumulation and states).
-    Saves x, v, w1, w2, y and den' (no T x M' tensor): backward recomputes g, gets dg and dv
-    from :func:`~mosaics.ops.linear_attention.fused_backward` and dg's way back to x and the
-    frequencies through autograd of the feature map."""
+
+    The elu1 features g = ELU(phi(x)) + 1 are computed inside the chunk kernels from the keys
+    and the frequencies, forward and backward
+    (:func:`~mosaics.ops.linear_attention.fused_elu1_forward`, ``fused_elu1_backward``: no
+    (B, H, T, 2M) tensor). Where those do not apply
+    (:func:`~mosaics.ops.linear_attention.elu1_unsupported`: a head size past 128) g is
+    formed in PyTorch and the plain fused scan runs on it, its gradient taken back to x and
+    the frequencies through autograd of the feature map. Saves x, v, w1, w2, y and den'."""
 
     @staticmethod
     def forward(ctx, x: Tensor, v: Tensor, w1: Tensor, w2: Tensor, eps: float,
                 chunk: int, precision: str | None = None) -> Tensor:
-        y, den = fused_forward(elu1_features(x, w1, w2), None, v, eps, chunk, precision)
+        in_kernel = elu1_unsupported(x, w1, v) is None
+        if in_kernel:
+            y, den = fused_elu1_forward(x, w1, w2, v, eps, chunk, precision)
+        else:
+            y, den = fused_forward(elu1_features(x, w1, w2), None, v, eps, chunk, precision)
         ctx.save_for_backward(x, v, w1, w2, y, den)
-        ctx.chunk, ctx.precision = chunk, precision
+        ctx.chunk, ctx.precision, ctx.in_kernel = chunk, precision, in_kernel
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy: Tensor):  # noqa: ANN205
         x, v, w1, w2, y, den = ctx.saved_tensors
+        if ctx.in_kernel:
+            dx, dw1, dw2, dv = fused_elu1_backward(x, w1, w2, v, y, den, dy, ctx.chunk,
+                                                   ctx.precision)
+            return dx, dv, dw1, dw2, None, None, None
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (x, w1, w2)]
             g = elu1_features(*inputs)

@@ -13,7 +13,8 @@ multiply-adds each way, chunk states (T / C) F D fp32 numbers; saved for backwar
 inputs, y and den (the chunk states are recomputed). Where the fused kernels do not run (the
 switch, the device, float64, D > 256) the same chunks run in PyTorch.
 :func:`fused_forward` / :func:`fused_backward` are the two passes without autograd, for a
-caller's own autograd Function (FSKA recomputes its features instead of saving them).
+caller's own autograd Function; :func:`fused_elu1_forward` / :func:`fused_elu1_backward` are
+the same with FSKA's ELU+1 features computed inside the kernels from keys and frequencies.
 
 Inputs of one floating dtype (fp32, bf16 or fp16; mixed inputs are promoted) are multiplied
 in that dtype with fp32 accumulation; fp32 products use TF32 on the GPU only where PyTorch's
@@ -194,6 +195,119 @@ def fused_backward(q: Tensor, k: Tensor | None, v: Tensor, y: Tensor, den: Tenso
                                  SHARED=k is None, C=chunk, BK=_block(F, bk), BD=BD, **dots,
                                  **launch)
     return dq.view(q.shape), None if k is None else dk.view(k.shape), dv.view(v.shape)
+
+
+MAX_HEAD_DIM = 128  # keys of the in-kernel ELU+1 map: one (C, HS) block per chunk
+ELU1_BM = 16  # frequencies per block of the in-kernel ELU+1 map (2 BM features)
+
+
+def elu1_unsupported(x: Tensor, w1: Tensor, v: Tensor) -> str | None:
+    """None when the in-kernel ELU+1 map (:func:`fused_elu1_forward`) takes keys x (B, H, T,
+    HS), frequencies (H, M, HS) and values v (B, H, T, D), else why not."""
+    if x.dtype != torch.float32 or w1.dtype != torch.float32:
+        return "the in-kernel ELU+1 map takes fp32 keys and frequencies"
+    if x.shape[-1] > MAX_HEAD_DIM:
+        return f"head size {x.shape[-1]} > {MAX_HEAD_DIM}"
+    return linear_attention_unsupported(x, None, v)
+
+
+def _elu1_args(x: Tensor, w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor, Tensor, dict]:
+    """x as (BH, T, HS), contiguous fp32 frequencies and the kernels' shape arguments."""
+    B, H, T, HS = x.shape
+    M = w1.shape[1]
+    sizes = {"T": T, "M": M, "HS": HS, "H": H, "scale": (4 * M) ** -0.5}
+    return (x.contiguous().view(B * H, T, HS), w1.float().contiguous(),
+            w2.float().contiguous(), sizes)
+
+
+def _angle_precision(device: torch.device) -> str:
+    """The angles' products x w^T: three TF32 products on the GPU, IEEE fp32 elsewhere."""
+    return "tf32x3" if device.type == "cuda" else "ieee"
+
+
+def _elu1_states(mod: ModuleType, x3: Tensor, w1: Tensor, w2: Tensor, sizes: dict, b: Tensor,
+                 w: Tensor | None, reverse: bool, chunk: int, dots: dict
+                 ) -> tuple[Tensor, Tensor]:
+    """:func:`_chunk_states` with a = g(x) computed in the kernel: (BH, NC, 2M, D), (BH, NC,
+    2M) fp32."""
+    BH, T, HS = x3.shape
+    M, D = sizes["M"], b.shape[-1]
+    nc = -(-T // chunk)
+    S = x3.new_empty(BH, nc, 2 * M, D, dtype=torch.float32)
+    z = x3.new_empty(BH, nc, 2 * M, dtype=torch.float32)
+    BD = _block(D, 32)
+    grid = (-(-M // ELU1_BM), -(-D // BD), BH)
+    mod.elu1_chunk_states[grid](x3, w1, w2, b, S if w is None else w, S, z, T, M, HS, D, nc,
+                                sizes["H"], sizes["scale"], HAS_W=w is not None,
+                                REVERSE=reverse, C=chunk, BM=ELU1_BM,
+                                BS=_block(HS, MAX_HEAD_DIM), BD=BD,
+                                APREC=_angle_precision(x3.device), **dots)
+    return S, z
+
+
+def fused_elu1_forward(x: Tensor, w1: Tensor, w2: Tensor, v: Tensor, eps: float,
+                       chunk: int = CHUNK, precision: str | None = None
+                       ) -> tuple[Tensor, Tensor]:
+    """:func:`fused_forward` of the features g = ELU(phi(x)) + 1 (q = k = g) computed inside
+    the chunk kernels from keys x (B, H, T, HS) fp32 and frequencies w1, w2 (H, M, HS) fp32,
+    phi = (4M)^-1/2 [cos x w1^T + cos x w2^T ; sin x w1^T + sin x w2^T]: y (B, H, T, D) and
+    den' (B, H, T) fp32; no (B, H, T, 2M) tensor is formed. The attention products follow
+    ``precision`` and v's dtype; the angles are fp32 products."""
+    B, H, T, _ = x.shape
+    D = v.shape[-1]
+    if x.numel() == 0 or v.numel() == 0 or w1.numel() == 0:
+        return torch.zeros_like(v), x.new_full((B, H, T), eps, dtype=torch.float32)
+    mod = triton_module(KERNEL_FILE, x.device)
+    dots = _dot_args(v.dtype, v.device, precision)
+    x3, w1, w2, sizes = _elu1_args(x, w1, w2)
+    v3 = v.contiguous().view(B * H, T, D)
+    P, z = _elu1_states(mod, x3, w1, w2, sizes, v3, None, False, chunk, dots)
+    y = torch.empty_like(v3)
+    den = x.new_empty(B * H, T, dtype=torch.float32)
+    nc = P.shape[1]
+    _, _, launch = _tiles(v.dtype)
+    mod.elu1_chunk_forward[(nc, B * H)](
+        x3, w1, w2, v3, P, z, y, den, T, sizes["M"], sizes["HS"], D, nc, H, sizes["scale"],
+        eps, C=chunk, BM=ELU1_BM, BS=_block(sizes["HS"], MAX_HEAD_DIM),
+        BD=_block(D, MAX_VALUE_DIM), APREC=_angle_precision(x.device), **dots, **launch)
+    return y.view(B, H, T, D), den.view(B, H, T)
+
+
+def fused_elu1_backward(x: Tensor, w1: Tensor, w2: Tensor, v: Tensor, y: Tensor, den: Tensor,
+                        dy: Tensor, chunk: int = CHUNK, precision: str | None = None
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dw1, dw2, dv) of :func:`fused_elu1_forward` from its inputs, its (y, den') and dy;
+    the features and chunk states are recomputed in the kernels, the frequencies' gradients
+    summed over batch and chunks with fp32 atomic adds (their order is not fixed)."""
+    B, H, T, HS = x.shape
+    D = v.shape[-1]
+    BH = B * H
+    if x.numel() == 0 or v.numel() == 0 or w1.numel() == 0:
+        return (torch.zeros_like(x), torch.zeros_like(w1), torch.zeros_like(w2),
+                torch.zeros_like(v))
+    mod = triton_module(KERNEL_FILE, x.device)
+    dots = _dot_args(v.dtype, v.device, precision)
+    x3, w1c, w2c, sizes = _elu1_args(x, w1, w2)
+    v3 = v.contiguous().view(BH, T, D)
+    dy = dy.reshape(BH, T, D).contiguous()
+    dn = torch.empty_like(v3)
+    dd = torch.empty(BH, T, device=x.device, dtype=torch.float32)
+    BD = _block(D, MAX_VALUE_DIM)
+    mod.output_grad[(-(-T // 64), BH)](dy, y, den, dn, dd, T, D, BT=64, BD=BD, DT=dots["DT"])
+    P, z = _elu1_states(mod, x3, w1c, w2c, sizes, v3, None, False, chunk, dots)
+    R, r = _elu1_states(mod, x3, w1c, w2c, sizes, dn, dd, True, chunk, dots)
+    dx = torch.empty(x3.shape, device=x.device, dtype=torch.float32)
+    dw1 = torch.zeros(w1c.shape, device=x.device, dtype=torch.float32)
+    dw2 = torch.zeros_like(dw1)
+    dv = torch.empty_like(v3)
+    nc = P.shape[1]
+    _, _, launch = _tiles(v.dtype)
+    mod.elu1_chunk_backward[(nc, BH)](
+        x3, w1c, w2c, v3, dn, dd, P, z, R, r, dx, dw1, dw2, dv, T, sizes["M"], HS, D, nc, H,
+        sizes["scale"], C=chunk, BM=ELU1_BM, BS=_block(HS, MAX_HEAD_DIM), BD=BD,
+        APREC=_angle_precision(x.device), **dots, **launch)
+    return (dx.view(x.shape).to(x.dtype), dw1.to(w1.dtype), dw2.to(w2.dtype),
+            dv.view(v.shape))
 
 
 class _LinearAttention(torch.autograd.Function):

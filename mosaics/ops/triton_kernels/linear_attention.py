@@ -17,6 +17,8 @@ Backward: ``output_grad`` (dn = dy / den', dd = -(dn . y)), ``chunk_states`` rev
 for the suffix states R_c = sum_{t in chunks > c} q_t dn_t^T and r_c = sum q_t dd_t, then
 ``chunk_backward`` (one program per (chunk, bh)) with dA = strictly lower (dn v^T + dd 1^T):
 dq = dA k + dn P_c^T + dd z_c^T, dk = dA^T q + v R_c^T + 1 r_c^T, dv = A^T dn + k R_c.
+The ``elu1_*`` kernels are the same three with q = k = ELU(phi(x)) + 1 computed in the kernel
+from FSKA's keys and frequencies (see their section below).
 """
 
 import triton
@@ -215,5 +217,248 @@ def chunk_backward(q_ptr, k_ptr, v_ptr, dn_ptr, dd_ptr, s_ptr, z_ptr, rs_ptr, rz
         else:
             tl.store(dq_ptr + offs, dq.to(dq_ptr.dtype.element_ty), mask=rows)
             tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=rows)
+    tl.store(dv_ptr + bh * T * D + t[:, None] * D + d[None, :], dv.to(dv_ptr.dtype.element_ty),
+             mask=td)
+
+
+# -- the ELU+1 feature map inside the chunk kernels ----------------------------------------
+# Features g(x) = ELU(phi(x)) + 1 of FSKA's keys x (BH, T, HS) fp32 with its frequency pairs
+# w1, w2 (H, M, HS) fp32, phi = scale [cos a1 + cos a2 ; sin a1 + sin a2], a_i = x w_i^T,
+# scale = (4M)^-1/2: feature m (cos part) and M + m (sin part), F = 2M. The angles are fp32
+# products (APREC: "ieee", or "tf32x3" on tensor cores); the features are rounded to DT where
+# they enter the attention products, as the inputs of the kernels above.
+
+
+@triton.jit
+def _angles(x, w_base, m, s, M, HS, APREC: tl.constexpr):
+    """x (C, BS) fp32 times the frequencies w_base[m] (BM, HS) transposed: (C, BM) fp32, and
+    that block of frequencies (BM, BS) fp32 (masked rows and columns read as 0)."""
+    w = tl.load(w_base + m[:, None] * HS + s[None, :], mask=(m < M)[:, None] & (s < HS)[None, :],
+                other=0.0)
+    return tl.dot(x, tl.trans(w), input_precision=APREC), w
+
+
+@triton.jit
+def _elu1(c1, s1, c2, s2, live, scale):
+    """(g_cos, g_sin) = ELU(phi) + 1 of both halves from the angles' cosines and sines, 0
+    where not ``live`` (rows past T, frequencies past M)."""
+    pc = (c1 + c2) * scale
+    ps = (s1 + s2) * scale
+    gc = tl.where(pc > 0, pc + 1.0, tl.exp(tl.minimum(pc, 0.0)))
+    gs = tl.where(ps > 0, ps + 1.0, tl.exp(tl.minimum(ps, 0.0)))
+    return tl.where(live, gc, 0.0), tl.where(live, gs, 0.0)
+
+
+@triton.jit
+def elu1_chunk_states(x_ptr, w1_ptr, w2_ptr, b_ptr, w_ptr, s_ptr, z_ptr, T, M, HS, D, NC, H,
+                      scale, HAS_W: tl.constexpr, REVERSE: tl.constexpr, C: tl.constexpr,
+                      BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr,
+                      PREC: tl.constexpr, APREC: tl.constexpr, DT: tl.constexpr,
+                      DOT: tl.constexpr):
+    """``chunk_states`` with a = g(x) computed here: grid (M / BM, D / BD, BH); S (BH, NC,
+    2M, D), z (BH, NC, 2M) fp32, rows m and M + m of each frequency block."""
+    pm = tl.program_id(0)
+    pd = tl.program_id(1)
+    bh = tl.program_id(2).to(tl.int64)
+    h = bh % H
+    m = pm * BM + tl.arange(0, BM)
+    s = tl.arange(0, BS)
+    d = pd * BD + tl.arange(0, BD)
+    r = tl.arange(0, C)
+    F = 2 * M
+    mm = m < M
+    zm = m < tl.where(pd == 0, M, 0)  # one value block writes z
+    dm = d < D
+    x_base = x_ptr + bh * T * HS
+    b_base = b_ptr + bh * T * D
+    s_base = s_ptr + bh * NC * F * D
+    z_base = z_ptr + bh * NC * F
+    w1_base = w1_ptr + h * M * HS
+    w2_base = w2_ptr + h * M * HS
+    Sc = tl.full((BM, BD), 0.0, tl.float32)
+    Ss = tl.full((BM, BD), 0.0, tl.float32)
+    zc = tl.full((BM,), 0.0, tl.float32)
+    zs = tl.full((BM,), 0.0, tl.float32)
+    for i in range(NC):
+        if REVERSE:
+            c = NC - 1 - i
+        else:
+            c = i
+        sm = mm[:, None] & dm[None, :]
+        tl.store(s_base + c * F * D + m[:, None] * D + d[None, :], Sc, mask=sm)
+        tl.store(s_base + c * F * D + (M + m)[:, None] * D + d[None, :], Ss, mask=sm)
+        tl.store(z_base + c * F + m, zc, mask=zm)
+        tl.store(z_base + c * F + M + m, zs, mask=zm)
+        t = c * C + r
+        tm = t < T
+        x = tl.load(x_base + t[:, None] * HS + s[None, :], mask=tm[:, None] & (s < HS)[None, :],
+                    other=0.0)
+        a1, _ = _angles(x, w1_base, m, s, M, HS, APREC)
+        a2, _ = _angles(x, w2_base, m, s, M, HS, APREC)
+        gc, gs = _elu1(tl.cos(a1), tl.sin(a1), tl.cos(a2), tl.sin(a2),
+                       tm[:, None] & mm[None, :], scale)
+        b = _op(tl.load(b_base + t[:, None] * D + d[None, :], mask=tm[:, None] & dm[None, :],
+                        other=0.0), DT, DOT)
+        Sc += tl.dot(tl.trans(_op(gc, DT, DOT)), b, input_precision=PREC)
+        Ss += tl.dot(tl.trans(_op(gs, DT, DOT)), b, input_precision=PREC)
+        if HAS_W:
+            w = tl.load(w_ptr + bh * T + t, mask=tm, other=0.0)
+        else:
+            w = tm.to(tl.float32)
+        zc += _sum(gc * w[:, None], axis=0)
+        zs += _sum(gs * w[:, None], axis=0)
+
+
+@triton.jit
+def elu1_chunk_forward(x_ptr, w1_ptr, w2_ptr, v_ptr, s_ptr, z_ptr, y_ptr, den_ptr, T, M, HS,
+                       D, NC, H, scale, eps, C: tl.constexpr, BM: tl.constexpr,
+                       BS: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+                       APREC: tl.constexpr, DT: tl.constexpr, DOT: tl.constexpr):
+    """``chunk_forward`` with q = k = g(x) computed here: grid (NC, BH); BS >= HS, BD >= D."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    h = bh % H
+    r = tl.arange(0, C)
+    t = c * C + r
+    tm = t < T
+    s = tl.arange(0, BS)
+    d = tl.arange(0, BD)
+    dm = d < D
+    F = 2 * M
+    x = tl.load(x_ptr + bh * T * HS + t[:, None] * HS + s[None, :],
+                mask=tm[:, None] & (s < HS)[None, :], other=0.0)
+    s_base = s_ptr + (bh * NC + c) * F * D
+    z_base = z_ptr + (bh * NC + c) * F
+    w1_base = w1_ptr + h * M * HS
+    w2_base = w2_ptr + h * M * HS
+    A = tl.full((C, C), 0.0, tl.float32)
+    o = tl.full((C, BD), 0.0, tl.float32)
+    den = tl.full((C,), 0.0, tl.float32)
+    for m0 in range(0, M, BM):
+        m = m0 + tl.arange(0, BM)
+        mm = m < M
+        a1, _ = _angles(x, w1_base, m, s, M, HS, APREC)
+        a2, _ = _angles(x, w2_base, m, s, M, HS, APREC)
+        gc, gs = _elu1(tl.cos(a1), tl.sin(a1), tl.cos(a2), tl.sin(a2),
+                       tm[:, None] & mm[None, :], scale)
+        sm = mm[:, None] & dm[None, :]
+        Pc = tl.load(s_base + m[:, None] * D + d[None, :], mask=sm, other=0.0)
+        Ps = tl.load(s_base + (M + m)[:, None] * D + d[None, :], mask=sm, other=0.0)
+        zc = tl.load(z_base + m, mask=mm, other=0.0)
+        zs = tl.load(z_base + M + m, mask=mm, other=0.0)
+        gco = _op(gc, DT, DOT)
+        gso = _op(gs, DT, DOT)
+        A += tl.dot(gco, tl.trans(gco), input_precision=PREC)
+        A += tl.dot(gso, tl.trans(gso), input_precision=PREC)
+        o += tl.dot(gco, _op(Pc, DT, DOT), input_precision=PREC)
+        o += tl.dot(gso, _op(Ps, DT, DOT), input_precision=PREC)
+        den += _sum(gc * zc[None, :] + gs * zs[None, :], axis=1)
+    A = _op(tl.where(r[:, None] > r[None, :], A, 0.0), DT, DOT)
+    v = tl.load(v_ptr + bh * T * D + t[:, None] * D + d[None, :],
+                mask=tm[:, None] & dm[None, :], other=0.0)
+    o += tl.dot(A, _op(v, DT, DOT), input_precision=PREC)
+    den += _sum(A.to(tl.float32), axis=1) + eps
+    y = tl.where(den[:, None] > 0, o / tl.where(den > 0, den, 1.0)[:, None], 0.0)
+    tl.store(y_ptr + bh * T * D + t[:, None] * D + d[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=tm[:, None] & dm[None, :])
+    tl.store(den_ptr + bh * T + t, den, mask=tm)
+
+
+@triton.jit
+def elu1_chunk_backward(x_ptr, w1_ptr, w2_ptr, v_ptr, dn_ptr, dd_ptr, s_ptr, z_ptr, rs_ptr,
+                        rz_ptr, dx_ptr, dw1_ptr, dw2_ptr, dv_ptr, T, M, HS, D, NC, H, scale,
+                        C: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
+                        BD: tl.constexpr, PREC: tl.constexpr, APREC: tl.constexpr,
+                        DT: tl.constexpr, DOT: tl.constexpr):
+    """``chunk_backward`` (SHARED) with q = k = g(x) computed here, its gradient dg taken on
+    to the angles (ELU' = min(g, 1)) and from there to x (dx (BH, T, HS), written) and to the
+    frequencies (dw1, dw2 (H, M, HS) fp32, added atomically over chunks and batch): grid
+    (NC, BH); BS >= HS, BD >= D."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    h = bh % H
+    r = tl.arange(0, C)
+    t = c * C + r
+    tm = t < T
+    s = tl.arange(0, BS)
+    sk = s < HS
+    d = tl.arange(0, BD)
+    dm = d < D
+    td = tm[:, None] & dm[None, :]
+    F = 2 * M
+    x = tl.load(x_ptr + bh * T * HS + t[:, None] * HS + s[None, :], mask=tm[:, None] & sk[None, :],
+                other=0.0)
+    state = (bh * NC + c) * F
+    w1_base = w1_ptr + h * M * HS
+    w2_base = w2_ptr + h * M * HS
+    strict = r[:, None] > r[None, :]
+    A = tl.full((C, C), 0.0, tl.float32)
+    for m0 in range(0, M, BM):
+        m = m0 + tl.arange(0, BM)
+        a1, _ = _angles(x, w1_base, m, s, M, HS, APREC)
+        a2, _ = _angles(x, w2_base, m, s, M, HS, APREC)
+        gc, gs = _elu1(tl.cos(a1), tl.sin(a1), tl.cos(a2), tl.sin(a2),
+                       tm[:, None] & (m < M)[None, :], scale)
+        gco = _op(gc, DT, DOT)
+        gso = _op(gs, DT, DOT)
+        A += tl.dot(gco, tl.trans(gco), input_precision=PREC)
+        A += tl.dot(gso, tl.trans(gso), input_precision=PREC)
+    A = _op(tl.where(strict, A, 0.0), DT, DOT)
+    v = _op(tl.load(v_ptr + bh * T * D + t[:, None] * D + d[None, :], mask=td, other=0.0),
+            DT, DOT)
+    dn = _op(tl.load(dn_ptr + bh * T * D + t[:, None] * D + d[None, :], mask=td, other=0.0),
+             DT, DOT)
+    dd = tl.load(dd_ptr + bh * T + t, mask=tm, other=0.0)
+    dA = tl.dot(dn, tl.trans(v), input_precision=PREC) + dd[:, None]
+    dA = _op(tl.where(strict, dA, 0.0), DT, DOT)
+    dAt = tl.trans(dA)
+    dv = tl.dot(tl.trans(A), dn, input_precision=PREC)
+    dx = tl.full((C, BS), 0.0, tl.float32)
+    for m0 in range(0, M, BM):
+        m = m0 + tl.arange(0, BM)
+        mm = m < M
+        a1, w1 = _angles(x, w1_base, m, s, M, HS, APREC)
+        a2, w2 = _angles(x, w2_base, m, s, M, HS, APREC)
+        c1, s1, c2, s2 = tl.cos(a1), tl.sin(a1), tl.cos(a2), tl.sin(a2)
+        gc, gs = _elu1(c1, s1, c2, s2, tm[:, None] & mm[None, :], scale)
+        gco = _op(gc, DT, DOT)
+        gso = _op(gs, DT, DOT)
+        sm = mm[:, None] & dm[None, :]
+        Pc = _op(tl.load(s_ptr + state * D + m[:, None] * D + d[None, :], mask=sm, other=0.0),
+                 DT, DOT)
+        Ps = _op(tl.load(s_ptr + state * D + (M + m)[:, None] * D + d[None, :], mask=sm,
+                         other=0.0), DT, DOT)
+        Rc = _op(tl.load(rs_ptr + state * D + m[:, None] * D + d[None, :], mask=sm, other=0.0),
+                 DT, DOT)
+        Rs = _op(tl.load(rs_ptr + state * D + (M + m)[:, None] * D + d[None, :], mask=sm,
+                         other=0.0), DT, DOT)
+        zc = tl.load(z_ptr + state + m, mask=mm, other=0.0)
+        zs = tl.load(z_ptr + state + M + m, mask=mm, other=0.0)
+        rzc = tl.load(rz_ptr + state + m, mask=mm, other=0.0)
+        rzs = tl.load(rz_ptr + state + M + m, mask=mm, other=0.0)
+        # dg = dq + dk of the shared features, per half
+        dgc = tl.dot(dA, gco, input_precision=PREC) + tl.dot(dAt, gco, input_precision=PREC)
+        dgc += tl.dot(dn, tl.trans(Pc), input_precision=PREC)
+        dgc += tl.dot(v, tl.trans(Rc), input_precision=PREC)
+        dgc += dd[:, None] * zc[None, :] + rzc[None, :]
+        dgs = tl.dot(dA, gso, input_precision=PREC) + tl.dot(dAt, gso, input_precision=PREC)
+        dgs += tl.dot(dn, tl.trans(Ps), input_precision=PREC)
+        dgs += tl.dot(v, tl.trans(Rs), input_precision=PREC)
+        dgs += dd[:, None] * zs[None, :] + rzs[None, :]
+        dv += tl.dot(gco, Rc, input_precision=PREC)
+        dv += tl.dot(gso, Rs, input_precision=PREC)
+        # to the angles: dphi = dg ELU'(phi) scale, ELU' = min(g, 1) (0 where masked)
+        dpc = dgc * tl.minimum(gc, 1.0) * scale
+        dps = dgs * tl.minimum(gs, 1.0) * scale
+        da1 = c1 * dps - s1 * dpc
+        da2 = c2 * dps - s2 * dpc
+        dx += tl.dot(da1, w1, input_precision=APREC)
+        dx += tl.dot(da2, w2, input_precision=APREC)
+        ms = mm[:, None] & sk[None, :]
+        wo = h * M * HS + m[:, None] * HS + s[None, :]
+        tl.atomic_add(dw1_ptr + wo, tl.dot(tl.trans(da1), x, input_precision=APREC), mask=ms)
+        tl.atomic_add(dw2_ptr + wo, tl.dot(tl.trans(da2), x, input_precision=APREC), mask=ms)
+    tl.store(dx_ptr + bh * T * HS + t[:, None] * HS + s[None, :], dx,
+             mask=tm[:, None] & sk[None, :])
     tl.store(dv_ptr + bh * T * D + t[:, None] * D + d[None, :], dv.to(dv_ptr.dtype.element_ty),
              mask=td)
