@@ -318,6 +318,14 @@ def test_fska_fused_path_on_cuda(monkeypatch):
         assert (triton_backend.PATHS["fska"] == "fused") == (switch == "")
     for got, want in zip(results[""], results["0"], strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # bf16 products, fp32 states
+        monkeypatch.setenv("MOSAICS_FUSED", "")
+        k, v = keys.clone().requires_grad_(), values.clone().requires_grad_()
+        y = kernel(k, v, beta)
+        grads = torch.autograd.grad(y.sin().sum(), (k, v))
+    for got, want in zip((y, *grads), results["0"], strict=True):
+        scale = want.abs().max().item()
+        assert (got.float() - want).abs().max().item() <= 5e-2 * scale
 
 
 
