@@ -29,18 +29,23 @@ the next one starts. In order:
 5. ``golden``: 50 training steps of a tiny model per kernel (bf16 autocast, fused kernels)
    against the stored CPU float32 curve of the same seed (``bench/golden_losses.py``,
    ``bench/golden/``) within its stated tolerance.
-6. ``kernels_fp32``: the kernels in fp32 at T 1024 and 4096 (ratios against the bf16
+6. ``tiles``: each fused op's named tile sets (``mosaics.ops.triton_backend.TILES``: power
+   with epanechnikov, knn with gaussian_knn, linear with FSKA's op) timed against each other
+   in bf16 at T 4096; a ``winner`` row per op names the tiles to pin on this GPU
+   (``MOSAICS_TILES=power=<name>,...``).
+7. ``kernels_fp32``: the kernels in fp32 at T 1024 and 4096 (ratios against the bf16
    baseline in the final table).
-7. ``throughput``: training tokens/s of Memory Mosaics against a GPT-2 of the same size with
+8. ``throughput``: training tokens/s of Memory Mosaics against a GPT-2 of the same size with
    SDPA at the 124M shape, bf16 autocast, eager and ``torch.compile``d, with MFU.
-8. ``deepspeed``: ``train.py`` under DeepSpeed ZeRO-2 bf16 on one GPU (a tiny model;
+9. ``deepspeed``: ``train.py`` under DeepSpeed ZeRO-2 bf16 on one GPU (a tiny model;
    ``--ds-full``: the 124M recipe), checkpointed half way and resumed; the resumed losses
    must equal the uninterrupted ones.
 
 Every row is appended to ``<out>/rows.jsonl`` (flushed) as soon as it is measured, so a
 stopped section keeps its rows; ``<out>/gpu_check.json`` is written after every section. The
 run ends with one table (``<out>/table.md``): kernel x T x dtype, time, ratio to the
-Gaussian bf16 baseline, path taken, first-call cost; and the golden-loss verdicts.
+Gaussian bf16 baseline, path taken, first-call cost; the tile sets with the fastest marked;
+and the golden-loss verdicts.
 (``--sections kernels`` is the single section of every length and dtype in one process.)
 """
 
@@ -508,6 +513,53 @@ def kernels_fp32(args: argparse.Namespace) -> list[dict[str, Any]]:
     return kernel_speed(args, args.fp32_lengths, ["fp32"], "kernels_fp32")
 
 
+# --- tiles: each fused op's named tile sets timed against each other ----------------------
+
+TILE_KERNELS = {"power": ("epanechnikov", None), "knn": ("gaussian_knn", None),
+                "linear": ("fska", "op")}
+
+
+def tiles(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Forward + backward of one kernel per fused op (``TILE_KERNELS``) under each of the op's
+    named tile sets (:data:`mosaics.ops.triton_backend.TILES`) at the first bf16 length, then
+    one ``winner`` row per op: the tiles to pin (``MOSAICS_TILES=op=name``) on this GPU."""
+    from mosaics.ops.triton_backend import TILES, use_tiles
+
+    H, hs, T = args.kernel_heads, args.kernel_head_size, args.bf16_lengths[0]
+    dname = "bf16" if args.device.startswith("cuda") else "fp32"
+    keys, values = check_keys(T, H, hs)
+    keys, values = keys.to(args.device, KERNEL_DTYPES[dname]), values.to(args.device,
+                                                                          KERNEL_DTYPES[dname])
+    beta = torch.full((H,), BETA, device=args.device)
+    rows = []
+    for op, (name, variant) in TILE_KERNELS.items():
+        names = list(TILES[op])[: args.tile_limit or None]
+        best: dict[str, Any] | None = None
+        for tile in names:
+            row: dict[str, Any] = {"op": op, "tile": tile, "kernel": name, "T": T,
+                                   "dtype": dname}
+            try:
+                with use_tiles(op, tile):
+                    kernel = build_kernel(name, variant, H, hs, args.device)
+                    row.update(time_kernel(kernel, keys, values, beta, args))
+                    row["path"] = (kernel.path if isinstance(kernel, FeatureOp)
+                                   else kernel_path(name))
+                if row["path"] == "fused" and (best is None or row["ms"] < best["ms"]):
+                    best = row
+            except Exception as err:  # a tile set this GPU cannot launch (shared memory...)
+                row["error"] = error_text(err, 120)
+            rows.append(row)
+            emit(args, "tiles", row)
+            print(f"tiles {op:>6} {tile:>10} {name:>13} T {T}: "
+                  + (row["error"] if "error" in row else
+                     f"{row['ms']:.2f} ms ({row['path']})"), flush=True)
+        winner = {"op": op, "winner": best["tile"] if best else None, "T": T, "dtype": dname,
+                  "ms": best["ms"] if best else None}
+        rows.append(winner)
+        emit(args, "tiles", winner)
+    return rows
+
+
 # --- warm: every Triton variant compiled once, in parallel ---------------------------------
 
 def warm_jobs(args: argparse.Namespace) -> list[str]:
@@ -841,6 +893,17 @@ def final_table(out: Path) -> str:
                                      if "max_abs_diff" in r else "")
         lines.append(f"| {name} | {r['T']} | {r['dtype']} | {r['ms']:.2f} | {ratio} | {path} | "
                      f"{r['first_call_s']:.2f} | {peak} |")
+    tiled = [r for r in rows if r.get("section") == "tiles" and "tile" in r]
+    if tiled:
+        wins = {r["op"]: r.get("winner") for r in rows
+                if r.get("section") == "tiles" and "winner" in r}
+        lines += ["", "| op | tiles | kernel | T | dtype | fwd+bwd ms | path |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in tiled:
+            mark = " (fastest)" if wins.get(r["op"]) == r["tile"] else ""
+            ms = f"{r['ms']:.2f}" if "ms" in r else "-"
+            lines.append(f"| {r['op']} | {r['tile']}{mark} | {r['kernel']} | {r['T']} | "
+                         f"{r['dtype']} | {ms} | {r.get('path') or r.get('error', '?')} |")
     gold = [r for r in rows if r.get("section") == "golden"]
     if gold:
         lines += ["", "| golden loss | dtype | final (CPU fp32) | max / mean abs diff | verdict |",
@@ -860,15 +923,16 @@ def final_table(out: Path) -> str:
 # --- driver ------------------------------------------------------------------------------------
 
 SECTIONS = {"tests": run_tests, "warm": warm, "kernels_bf16": kernels_bf16,
-            "adasplash": adasplash_section, "golden": golden, "kernels_fp32": kernels_fp32,
+            "adasplash": adasplash_section, "golden": golden, "tiles": tiles,
+            "kernels_fp32": kernels_fp32,
             "throughput": throughput, "deepspeed": deepspeed_resume, "kernels": kernel_speed}
-DEFAULT_SECTIONS = ["tests", "warm", "kernels_bf16", "adasplash", "golden", "kernels_fp32",
-                    "throughput", "deepspeed"]
-DRY_RUN_SECTIONS = ["warm", "kernels_bf16", "adasplash", "golden", "kernels_fp32"]
+DEFAULT_SECTIONS = ["tests", "warm", "kernels_bf16", "adasplash", "golden", "tiles",
+                    "kernels_fp32", "throughput", "deepspeed"]
+DRY_RUN_SECTIONS = ["warm", "kernels_bf16", "adasplash", "golden", "tiles", "kernels_fp32"]
 # seconds each section may take on a GPU (600 in all); a section past its limit is stopped
 # and recorded with what it left behind, and the next one starts
 BUDGETS = {"tests": 150, "warm": 50, "kernels_bf16": 120, "adasplash": 60, "golden": 50,
-           "kernels_fp32": 60, "throughput": 60, "deepspeed": 50, "kernels": 160}
+           "tiles": 40, "kernels_fp32": 40, "throughput": 40, "deepspeed": 50, "kernels": 160}
 TOTAL_BUDGET = 600
 QUICK_BUDGET = 600
 
@@ -1014,6 +1078,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.warm_dtypes = ["bf16", "fp32"] if cuda else ["fp32"]
     args.warm_workers = args.warm_workers or max(1, min(8, os.cpu_count() or 1))
     args.warm_limit = 2 if args.dry_run else 0
+    args.tile_limit = 1 if args.dry_run else 0  # tile sets per op (0: all)
     args.warm_in_process = args.dry_run
     args.golden_steps = args.golden_steps or (2 if args.quick else 50)
     args.ds_steps = args.ds_steps or (12 if big else 8)

@@ -35,7 +35,7 @@ def test_dry_run_writes_rows_as_it_goes_and_ends_with_one_table(gpu_check,
     code = gpu_check.main(["--dry-run", "--out", str(tmp_path), "--kernels", *kernels])
     rows = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
     sections = {r["section"] for r in rows}
-    assert sections == {"warm", "kernels_bf16", "adasplash", "golden", "kernels_fp32"}
+    assert sections == {"warm", "kernels_bf16", "adasplash", "golden", "tiles", "kernels_fp32"}
     assert code == 0, [r for r in rows if "error" in r]
     timed = [r for r in rows if r["section"] == "kernels_bf16"]
     assert [(r["kernel"], r.get("variant")) for r in timed] == [
@@ -51,8 +51,13 @@ def test_dry_run_writes_rows_as_it_goes_and_ends_with_one_table(gpu_check,
     golden = {r["kernel"]: r for r in rows if r["section"] == "golden"}
     assert set(golden) == set(kernels) and all(r["ok"] and r["steps"] == 2
                                                for r in golden.values())
+    tiled = [r for r in rows if r["section"] == "tiles"]
+    assert [r["op"] for r in tiled if "tile" in r] == ["power", "knn", "linear"]
+    assert all(r["ms"] > 0 and r["path"] for r in tiled if "tile" in r)
+    assert {r["op"] for r in tiled if "winner" in r} == {"power", "knn", "linear"}
     table = (tmp_path / "table.md").read_text()
     assert "| kernel | T | dtype |" in table and "| fska (op) | 64 | fp32 |" in table
+    assert "| op | tiles | kernel |" in table and "| power | m64n64w8" in table
     assert "| golden loss |" in table
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["sections"] == gpu_check.DRY_RUN_SECTIONS
@@ -137,3 +142,15 @@ def test_warm_compiles_each_variant_in_its_own_process(gpu_check, tmp_path: Path
                                                          ("fska-op", "fp32")}
     assert all("error" not in r and r["warm_s"] > 0 for r in rows), rows
     assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 3
+
+
+def test_final_table_marks_the_fastest_tile_set(gpu_check, tmp_path: Path) -> None:
+    rows = [{"section": "tiles", "op": "power", "tile": name, "kernel": "epanechnikov",
+             "T": 8, "dtype": "bf16", "ms": ms, "path": "fused"}
+            for name, ms in (("m64n64w8", 2.0), ("m128n64w8", 1.5))]
+    rows.append({"section": "tiles", "op": "power", "winner": "m128n64w8", "T": 8,
+                 "dtype": "bf16", "ms": 1.5})
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = gpu_check.final_table(tmp_path)
+    assert "| power | m128n64w8 (fastest) | epanechnikov | 8 | bf16 | 1.50 | fused |" in table
+    assert "| power | m64n64w8 | epanechnikov | 8 | bf16 | 2.00 | fused |" in table
