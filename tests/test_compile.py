@@ -100,11 +100,11 @@ def test_compiled_step_equals_eager(version: str, kernel: str) -> None:
 @pytest.mark.integration
 def test_graph_breaks_only_at_eager_boundaries() -> None:
     """v1 with a sparse kernel: the kernel's tiles run eagerly (recall.py, the whole
-    sequence); v2: the gap draw (modeling_mosaics.py) and the interval retrievals (recall.py,
+    sequence); v2: the gap draw (positions.py) and the interval retrievals (recall.py,
     the intervals). Every break is a ``torch.compiler.disable`` boundary (dynamo counts one per
     frame on the stack)."""
     for version, kernel, where in (("v1", "relumax", {"recall.py"}),
-                                   ("v2", "gaussian", {"recall.py", "modeling_mosaics.py"})):
+                                   ("v2", "gaussian", {"recall.py", "positions.py"})):
         model = _model(version, kernel)
         count, reasons = graph_breaks(lambda ids, m=model: m(input_ids=ids, labels=ids).loss,
                                       _batch(0))

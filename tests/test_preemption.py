@@ -56,8 +56,9 @@ def _metrics(run_dir: Path) -> dict[tuple[int, str], float]:
 
 
 def _logged_steps(run_dir: Path) -> int:
+    """Training steps logged so far (a step's system metrics come on lines of their own)."""
     try:
-        return len((run_dir / "metrics.jsonl").read_text().splitlines())
+        return (run_dir / "metrics.jsonl").read_text().count('"train/loss"')
     except FileNotFoundError:
         return 0
 
