@@ -30,15 +30,19 @@ def _by_length(recall: dict[str, Any], control: str | None, metric: str) -> dict
 
 def pretrain_markdown(records: list[dict[str, Any]], metric: str = "exact_match") -> str:
     """Model x length (mean over depths; mean ± sd over seeds), then own question, controls at
-    the longest length, validation loss, tokens/s and the number of seeds."""
+    the longest length, validation loss, tokens/s, wall minutes per job (training and probe)
+    and the number of seeds."""
     rows: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    minutes: dict[str, list[float]] = defaultdict(list)
     for rec in records:
         for run in rec["results"]["runs"]:
             rows[run["label"]].append(run)
+        minutes[rec["results"]["runs"][0]["label"]].append(rec.get("seconds", 0.0) / 60)
     mults = sorted({c["multiplier"] for runs in rows.values() for r in runs
                     for c in r["recall"]["cells"]})
     head = (["model"] + [f"{m:g}x" for m in mults]
-            + ["no gold", "recent", "own question", "val loss", "tokens/s", "seeds"])
+            + ["no gold", "recent", "own question", "val loss", "tokens/s", "job minutes",
+               "seeds"])
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for label, runs in sorted(rows.items()):
         cells = []
@@ -60,7 +64,8 @@ def pretrain_markdown(records: list[dict[str, Any]], metric: str = "exact_match"
         tps = [r["train"]["tokens_per_s"] for r in runs
                if r.get("train", {}).get("tokens_per_s")]
         cells += [_ms(own), f"{np.mean(val):.3f}" if val else "",
-                  f"{np.mean(tps):.0f}" if tps else "", str(len(runs))]
+                  f"{np.mean(tps):.0f}" if tps else "", f"{np.mean(minutes[label]):.0f}",
+                  str(len(runs))]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     any_run = next(iter(rows.values()))[0]["recall"]
     note = (f"needle {metric.replace('_', ' ')} by prompt length (x the training length "
