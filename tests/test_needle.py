@@ -227,3 +227,17 @@ def test_a_pretrain_job_trains_saves_and_reports(tmp_path):
     assert "| gpt2 | " in table and "| mosaics/gaussian | " in table
     gpt2_row = next(line for line in table.splitlines() if line.startswith("| gpt2 |"))
     assert gpt2_row.split(" | ")[2] == "n/a"  # 2x: past its 96 learned positions
+
+
+def test_pretrain_jobs_give_the_transformers_their_own_lr_unless_train_sets_one(tmp_path):
+    from mosaics.evaluation.pretraining import train_config
+    from mosaics.evaluation.protocols import PRETRAIN_PRESETS, with_overrides
+
+    cpu = PRETRAIN_PRESETS["cpu"]
+    lrs = {arch: train_config(arch, kernel, cpu, 0, None, tmp_path, tmp_path).lr
+           for arch, kernel in (("mosaics", "gaussian"), ("mosaics-v2", "gaussian"),
+                                ("gpt2", None), ("llama", None))}
+    assert lrs == {"mosaics": 5e-3, "mosaics-v2": 5e-3, "gpt2": cpu.transformer_lr,
+                   "llama": cpu.transformer_lr} and cpu.transformer_lr != 5e-3
+    pinned = with_overrides(cpu, train={"lr": 2e-3})
+    assert train_config("llama", None, pinned, 0, None, tmp_path, tmp_path).lr == 2e-3

@@ -20,7 +20,7 @@ V2_BLOCK = dict(gated_keys=True, adaptive_bandwidth=True, three_level_memory=Tru
 def train_config(arch: str, kernel: str | None, proto: PretrainProtocol, seed: int,
                  kernel_kwargs: dict[str, Any] | None, run_dir: Path, cache_dir: Path):
     """The ``TrainConfig`` of one pretraining job (v2: :data:`V2_BLOCK` with the protocol's
-    window and gaps)."""
+    window and gaps; the transformer baselines at ``proto.transformer_lr``)."""
     from ..training.config import TrainConfig
 
     model_kwargs: dict[str, Any] = {}
@@ -33,6 +33,8 @@ def train_config(arch: str, kernel: str | None, proto: PretrainProtocol, seed: i
                 model_kwargs[key] = list(value) if isinstance(value, tuple) else value
     extra = dict(proto.train)
     model_kwargs.update(extra.pop("model_kwargs", {}))
+    if not arch.startswith("mosaics") and proto.transformer_lr is not None:
+        extra.setdefault("lr", proto.transformer_lr)
     return TrainConfig(
         run_dir=str(run_dir), data_source=proto.data_source, tokenizer=proto.tokenizer,
         data_cache_dir=str(cache_dir),

@@ -136,6 +136,10 @@ class PretrainProtocol:
     warmup_steps: int = 100
     eval_interval: int = 500
     train: dict = field(default_factory=dict)
+    # the transformer baselines' learning rate (gpt2, llama) unless ``train`` sets one: at the
+    # Memory Mosaics' 5e-3 the rotary baseline plateaued at validation loss 1.03 and answered
+    # its own question at chance (docs/notes/2026-12-07-pretrain-recall.md)
+    transformer_lr: float | None = 1e-3
     # v2 blocks at this length: the short-term window, the long-term gap (inference) and its
     # training range; None: MosaicsConfig.v2's (h 256, m 64, m ~ U[64, 256] in training)
     v2_window: int | None = 64
