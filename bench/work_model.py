@@ -5,11 +5,12 @@ rules (``mosaics/ops/triton_kernels/``), run on given keys; it counts what the k
 do, without running them:
 
 - power kernels (``power_attention.py``): per block of BLOCK_M query rows, a row-max sweep
-  over its key blocks (anchor at the row max), the Newton sweeps of the entmax threshold
-  (from tau = -1 until no row of the block moves by more than ``NEWTON_TOL``, at most
-  ``NEWTON_STEPS``), the output sweep; a tile is *live* when some u > 0 in it (its value
-  product runs, and the backward's products after its QK^T). Backward: ``_power_bwd_dq``
-  (entmax: a first sweep for c) and ``_power_bwd_dkv``, each recomputing QK^T on every tile;
+  over its key blocks (anchor at the row max; it also sums the subset bounds that start
+  Newton), the Newton passes of the entmax threshold (from the best lower bound until no row
+  of the block moves by more than the dtype's tolerance, at most ``NEWTON_STEPS``), each
+  reading only the tiles a previous pass left live, the output sweep over the tiles still
+  live; a tile is *live* when some u > 0 in it. Backward: ``_power_bwd_dq`` (entmax: a first
+  sweep for c) and ``_power_bwd_dkv``, each on the forward's live tiles only;
 - kNN (``knn_attention.py``): pass 1 (running top-k; a key block none of whose scores beats
   its row's current k-th is skipped, one adding at most ``MERGE_INSERTS`` entries to every
   row is inserted step by step, any other runs the bitonic network), pass 2 (weights, the tie
@@ -23,7 +24,8 @@ dV, dK, dQ); a "sweep" is one QK^T over every causal tile of a row block, averag
 row blocks weighted by their tile counts. Reference: FlashAttention-2, 1 sweep and 2 products
 forward, 5 products backward.
 
-    OMP_NUM_THREADS=1 python bench/work_model.py                           # T 1024 4096
+    OMP_NUM_THREADS=1 python bench/work_model.py                           # T 1024 4096 bf16
+    OMP_NUM_THREADS=1 python bench/work_model.py --dtype fp32
     OMP_NUM_THREADS=1 python bench/work_model.py --lengths 16384 --heads 1
     OMP_NUM_THREADS=1 python bench/work_model.py --model runs/x/final --tokens val.npy
 """
@@ -43,7 +45,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mosaics.ops.knn_attention import MERGE_INSERTS  # noqa: E402
-from mosaics.ops.power_attention import NEWTON_STEPS, NEWTON_TOL  # noqa: E402
+from mosaics.ops.power_attention import (  # noqa: E402
+    NEWTON_STEPS,
+    NEWTON_TOL,
+    newton_pred,
+    newton_tol,
+)
 
 BETA = 7.39  # the check's bandwidth (e^2, the reference initialization)
 POWER = ("epanechnikov", "biweight", "triweight", "entmax", "relumax", "epanechnikov_fixed")
@@ -87,56 +94,117 @@ def _tile_any(u: torch.Tensor, r0: int, bm: int, bn: int) -> torch.Tensor:
     return pos.view((m + pr) // bm, bm, (w + pc) // bn, bn).any(3).any(1)
 
 
-def newton(x: torch.Tensor, r: float, blocks: torch.Tensor,
-           n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+START_DELTAS = (1.0, 0.5, 0.25)  # the forward's subset bounds (power_attention.py)
+START_MARGIN = 1e-3
+
+
+def subset_start(c: torch.Tensor, a: float, r: float, bn: int) -> torch.Tensor:
+    """The fused forward's Newton start (rows, 1) from scores c (rows, keys; -inf where not
+    visible), read in key tiles of bn as its row-max pass does: max(-1, the best subset bound
+    tau_A - ``START_MARGIN``), A_k the entries within delta_k / a of the running row max."""
+    rows, width = c.shape
+    m = torch.full((rows, 1), float("-inf"))
+    deltas = torch.tensor(START_DELTAS).view(1, 1, -1) / a
+    sums = torch.zeros(rows, len(START_DELTAS))
+    counts = torch.zeros(rows, len(START_DELTAS))
+    for j0 in range(0, width, bn):
+        tile = c[:, j0:j0 + bn]
+        m = torch.maximum(m, tile.amax(1, keepdim=True))
+        inside = tile.unsqueeze(2) > (m.unsqueeze(2) - deltas)
+        sums += torch.where(inside, tile.unsqueeze(2), 0.0).sum(1)
+        counts += inside.sum(1)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    safe = counts.clamp_min(1)
+    low = torch.where(counts > 0, (a * (sums - counts * m) - safe.pow(1 - 1 / r)) / safe, -1.0)
+    return torch.maximum(low.amax(1, keepdim=True) - START_MARGIN, torch.tensor(-1.0))
+
+
+def newton(x: torch.Tensor, r: float, blocks: torch.Tensor, n_blocks: int,
+           tau0: torch.Tensor | None = None, tol: float = NEWTON_TOL, bn: int = 64,
+           tiles: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The fused forward's threshold solve on scaled scores x (rows, keys; -inf where not
-    visible): Newton on (sum_j [x_j - tau]_+^r)^(1/r) = 1 from tau = -1, every row of a block
-    stepping until no row of that block moves by more than ``NEWTON_TOL`` (at most
-    ``NEWTON_STEPS``). Returns tau (rows, 1) and the sweeps of each block (n_blocks,)."""
-    tau = torch.full((x.shape[0], 1), -1.0)
+    visible): Newton on (sum_j [x_j - tau]_+^r)^(1/r) = 1 from ``tau0`` (default -1), every
+    row of a block stepping until no row of that block moves by more than ``tol`` (at most
+    ``NEWTON_STEPS``); a pass reads only the key tiles (of bn) still live in its block, and
+    clears those where no row has weight. A pass after a step below ``newton_pred`` also
+    makes the output; when it is the last, its tau is the shift and no output pass follows
+    (the block is *fused*). ``tiles``: (n_blocks,) key tiles each block reads (default:
+    all). Returns the shift (rows, 1), the passes of each block (n_blocks,), the tiles each
+    block read over its passes (n_blocks,), the live flags (n_blocks, key tiles) and whether
+    each block is fused (n_blocks,)."""
+    width = x.shape[1]
+    n_kt = -(-width // bn)
+    tiles = torch.full((n_blocks,), n_kt) if tiles is None else tiles
+    live = torch.arange(n_kt).view(1, -1) < tiles.view(-1, 1)
+    tau = torch.full((x.shape[0], 1), -1.0) if tau0 is None else tau0.clone()
+    shift = tau.clone()
     its = torch.zeros(n_blocks)
+    read = torch.zeros(n_blocks)
     done = torch.zeros(n_blocks, dtype=torch.bool)
+    fused = torch.zeros(n_blocks, dtype=torch.bool)
+    last = torch.full((n_blocks,), float("inf"))
+    pred = newton_pred(r, tol)
     for _ in range(NEWTON_STEPS):
         d = (x - tau).clamp_min(0)
+        read += torch.where(done, 0.0, live.sum(1).float())
+        pos = torch.nn.functional.pad(d > 0, (0, -width % bn)).view(x.shape[0], n_kt, bn).any(2)
+        block_pos = torch.zeros(n_blocks, n_kt).index_add_(0, blocks, pos.float()) > 0
+        live = torch.where(done.view(-1, 1), live, live & block_pos)
         f = d.pow(r).sum(1, keepdim=True)
         s = ((d > 0).float() if r == 1 else d.pow(r - 1)).sum(1, keepdim=True)
         f_low = torch.where(f > 0, f.clamp_min(1e-38).pow(1 - 1 / r), 0.0)
         step = torch.where(s > 0, (f - f_low) / s.clamp_min(1e-38), 0.0)
-        tau = torch.where(done[blocks].view(-1, 1), tau, tau + step)
-        its = torch.where(done, its, its + 1)
+        spec = last < pred
+        active = ~done
         moving = torch.zeros(n_blocks).index_add_(
-            0, blocks, (step.abs() > NEWTON_TOL).float().view(-1)) > 0
+            0, blocks, (step.abs() > tol).float().view(-1)) > 0
+        fused = torch.where(active, spec & ~moving, fused)
+        shift = torch.where(active[blocks].view(-1, 1), tau, shift)  # this pass's tau
+        tau = torch.where(active[blocks].view(-1, 1), tau + step, tau)
+        its = torch.where(active, its + 1, its)
+        last = torch.where(active, _block_max(step.abs().view(-1), blocks, n_blocks), last)
         done = done | ~moving
         if bool(done.all()):
             break
-    return tau, its
+    shift = torch.where(fused[blocks].view(-1, 1), shift, tau)
+    return shift, its, read, live, fused
 
 
 def power_head(q: torch.Tensor, k: torch.Tensor, a: float, form: dict[str, Any], bm: int,
-               bn: int, fine: int, group: int = 8) -> dict[str, float]:
+               bn: int, fine: int, group: int = 8, tol: float = NEWTON_TOL) -> dict[str, float]:
     """Counts of one head (queries q (n, D), keys k (n, D), query i sees keys j <= i)."""
     n = q.shape[0]
     r, entmax = form["r"], form["entmax"]
     nb = -(-n // bm)
-    out = {"tiles": 0.0, "sweep_tiles": 0.0, "newton_tiles": 0.0, "live": 0.0,
-           "fine_tiles": 0.0, "fine_live": 0.0, "empty_rows": 0.0, "newton_max": 0.0}
+    out = {"tiles": 0.0, "sweep_tiles": 0.0, "newton_tiles": 0.0, "newton_read": 0.0,
+           "output_read": 0.0, "fused_tiles": 0.0, "live": 0.0, "fine_tiles": 0.0,
+           "fine_live": 0.0, "empty_rows": 0.0, "newton_max": 0.0}
     for b0 in range(0, nb, group):  # a group of row blocks at once
         r0, r1 = b0 * bm, min(n, (b0 + group) * bm)
         end = r1  # the last row of the group sees keys 0 .. r1 - 1
         c = q[r0:r1].float() @ k[:end].float().T  # (m, end)
         i = torch.arange(r0, r1).view(-1, 1)
         vis = torch.arange(end).view(1, -1) <= i
+        cv = c.masked_fill(~vis, float("-inf"))
         if form["anchor"] is None:
-            m = c.masked_fill(~vis, float("-inf")).amax(1, keepdim=True)
+            m = cv.amax(1, keepdim=True)
             m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         else:
             m = torch.full_like(c[:, :1], form["anchor"])
         x = (a * (c - m)).masked_fill(~vis, float("-inf"))
         blocks = torch.arange(r0, r1) // bm - b0  # row block of each row, in the group
         n_blocks = int(blocks.max()) + 1
+        last_rows = torch.clamp(torch.arange(n_blocks) * bm + bm, max=r1 - r0) - 1 + r0
+        tiles_of = last_rows // bn + 1  # key tiles 0 .. last row's
         its = torch.zeros(n_blocks)
+        read = torch.zeros(n_blocks)
+        after = tiles_of.float()  # the tiles the output pass reads
+        fused = torch.zeros(n_blocks, dtype=torch.bool)
         if entmax:
-            shift, its = newton(x, r, blocks, n_blocks)
+            tau0 = subset_start(cv, a, r, bn) if form["anchor"] is None else None
+            shift, its, read, flags, fused = newton(x, r, blocks, n_blocks, tau0, tol, bn,
+                                                    tiles_of)
+            after = torch.where(fused, 0.0, flags.sum(1).float())
         else:
             shift = torch.full_like(m, form["shift"])
         u = (x - shift).clamp_min(0).masked_fill(~vis, 0.0)
@@ -145,10 +213,14 @@ def power_head(q: torch.Tensor, k: torch.Tensor, a: float, form: dict[str, Any],
             last = r0 + rows.stop - 1  # keys 0 .. last
             tiles = last // bn + 1
             live = _tile_any(u[rows, :last + 1], 0, bm, bn).sum().item()
-            sweeps = (form["anchor"] is None) + float(its[blk]) + 1
+            # row max (anchor), the Newton passes' live tiles, the output pass's live tiles
+            sweep_tiles = (form["anchor"] is None) * tiles + float(read[blk] + after[blk])
             out["tiles"] += tiles
-            out["sweep_tiles"] += sweeps * tiles
+            out["sweep_tiles"] += sweep_tiles
             out["newton_tiles"] += float(its[blk]) * tiles
+            out["newton_read"] += float(read[blk])
+            out["output_read"] += float(after[blk])
+            out["fused_tiles"] += float(fused[blk]) * tiles
             out["newton_max"] = max(out["newton_max"], float(its[blk]))
             out["live"] += live
             fine_live = _tile_any(u[rows, :last + 1], 0, fine, fine)
@@ -161,14 +233,16 @@ def power_head(q: torch.Tensor, k: torch.Tensor, a: float, form: dict[str, Any],
 
 
 def power_counts(name: str, keys: torch.Tensor, beta: torch.Tensor, bm: int = 64, bn: int = 64,
-                 fine: int = 16) -> dict[str, Any]:
-    """The work model of a power kernel on keys (1, H, T, hs) at bandwidths beta (H,)."""
+                 fine: int = 16, tol: float = NEWTON_TOL) -> dict[str, Any]:
+    """The work model of a power kernel on keys (1, H, T, hs) at bandwidths beta (H,), the
+    Newton passes stopping at steps below ``tol`` (``NEWTON_TOL_HALF`` for bf16 inputs)."""
     form = kernel_form(name)
     band = form["kernel"].bandwidth(beta.float())
     tot: dict[str, float] = {}
     for h in range(keys.shape[1]):
         kk = keys[0, h]
-        part = power_head(kk[1:], kk[:-1], form["scale"] * float(band[h]), form, bm, bn, fine)
+        part = power_head(kk[1:], kk[:-1], form["scale"] * float(band[h]), form, bm, bn, fine,
+                          tol=tol)
         for key, value in part.items():
             tot[key] = max(tot.get(key, 0.0), value) if key == "newton_max" else (
                 tot.get(key, 0.0) + value)
@@ -177,13 +251,15 @@ def power_counts(name: str, keys: torch.Tensor, beta: torch.Tensor, bm: int = 64
     sweeps = tot["sweep_tiles"] / tiles
     solve = form["entmax"]
     return {"kernel": name, "fwd_sweeps": sweeps, "newton_sweeps": tot["newton_tiles"] / tiles,
-            "newton_max": tot["newton_max"], "live": live,
-            "live_fine": tot["fine_live"] / tot["fine_tiles"],
+            "newton_read": tot["newton_read"] / tiles, "newton_max": tot["newton_max"],
+            "output_read": tot["output_read"] / tiles, "fused": tot["fused_tiles"] / tiles,
+            "live": live, "live_fine": tot["fine_live"] / tot["fine_tiles"],
             "empty_rows": tot["empty_rows"] / (keys.shape[1] * (keys.shape[2] - 1)),
             "fwd_products": sweeps + live,
-            # dq: (entmax: QK^T + dP on live) QK^T + dP, dQ on live; dkv: QK^T + dV, dP, dK
-            "bwd_products": (3 + 6 * live) if solve else (2 + 5 * live),
-            "fwd_tiles": sweeps, "bwd_tiles": 3.0 if solve else 2.0,
+            # live tiles only: dq (entmax: QK^T + dP for c) QK^T + dP + dQ; dkv QK^T + dV,
+            # dP, dK
+            "bwd_products": (9 if solve else 7) * live,
+            "fwd_tiles": sweeps, "bwd_tiles": (3.0 if solve else 2.0) * live,
             "causal_tiles": tiles / keys.shape[1]}
 
 
@@ -329,7 +405,8 @@ def model_keys(model_dir: Path, tokens: Path | None, T: int) -> tuple[torch.Tens
 
 def table(rows: list[dict[str, Any]], title: str) -> str:
     """The rows as a Markdown table (one row per kernel), FlashAttention-2's first."""
-    head = ["kernel", "QK^T sweeps fwd", "Newton (mean / max)", "live 64x64 (16x16)",
+    head = ["kernel", "QK^T sweeps fwd", "Newton passes (mean / max) / tiles read",
+            "live 64x64 (16x16)",
             "kNN network (before) / insertion (steps) / cumsum / tie tiles / tied rows",
             "products fwd / bwd",
             "tile visits fwd / bwd"]
@@ -341,7 +418,7 @@ def table(rows: list[dict[str, Any]], title: str) -> str:
         return "-" if x is None else fmt.format(x)
 
     for r in rows:
-        newton = (f"{r['newton_sweeps']:.2f} / {r['newton_max']:.0f}"
+        newton = (f"{r['newton_sweeps']:.2f} / {r['newton_max']:.0f} / {r['newton_read']:.2f}"
                   if r.get("newton_sweeps") else "-")
         live = num(r.get("live"), "{:.3f}") + (f" ({r['live_fine']:.3f})"
                                                if "live_fine" in r else "")
@@ -356,15 +433,16 @@ def table(rows: list[dict[str, Any]], title: str) -> str:
 
 
 def measure(keys: torch.Tensor, beta: torch.Tensor, kernels: list[str], k_top: int,
-            clustered: torch.Tensor | None = None) -> list[dict[str, Any]]:
+            clustered: torch.Tensor | None = None,
+            tol: float = NEWTON_TOL) -> list[dict[str, Any]]:
     """Every asked kernel's counts on keys (epanechnikov_fixed also on ``clustered``)."""
     rows = []
     T, hs = keys.shape[2], keys.shape[3]
     for name in kernels:
         if name in POWER:
-            rows.append(power_counts(name, keys, beta))
+            rows.append(power_counts(name, keys, beta, tol=tol))
             if name == "epanechnikov_fixed" and clustered is not None:
-                row = power_counts(name, clustered, beta)
+                row = power_counts(name, clustered, beta, tol=tol)
                 row["kernel"] = "epanechnikov_fixed (clustered keys)"
                 rows.append(row)
         elif name in KNN:
@@ -386,23 +464,29 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--tokens", type=Path, help="with --model: a .npy of token ids")
     p.add_argument("--model-length", type=int, default=1024)
     p.add_argument("--json", type=Path, help="write every row here")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="the inputs' dtype: the Newton passes' stopping step (default bf16)")
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
+    tol = newton_tol(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     results = []
     for T in args.lengths:
         keys = check_keys(T, args.heads, args.head_size)
         clustered = clustered_keys(T, args.heads, args.head_size)
         beta = torch.full((args.heads,), BETA)
-        rows = measure(keys, beta, args.kernels, args.k_top, clustered)
-        title = f"gpu_check's inputs: T {T}, {args.heads} heads of {args.head_size}, beta {BETA}"
+        rows = measure(keys, beta, args.kernels, args.k_top, clustered, tol)
+        title = (f"gpu_check's inputs: T {T}, {args.heads} heads of {args.head_size}, beta "
+                 f"{BETA}, {args.dtype}")
         print(table(rows, title) + "\n", flush=True)
-        results += [dict(r, T=T, source="check") for r in rows]
+        results += [dict(r, T=T, source="check", dtype=args.dtype) for r in rows]
     if args.model is not None:
         keys, beta, source = model_keys(args.model, args.tokens, args.model_length)
-        rows = measure(keys, beta, args.kernels, args.k_top)
+        rows = measure(keys, beta, args.kernels, args.k_top, tol=tol)
         print(table(rows, f"{source}: {keys.shape[1]} layer-heads of {keys.shape[3]}, "
-                          f"beta {beta.min():.2f}-{beta.max():.2f}") + "\n", flush=True)
-        results += [dict(r, T=args.model_length, source=source) for r in rows]
+                          f"beta {beta.min():.2f}-{beta.max():.2f}, {args.dtype}") + "\n",
+              flush=True)
+        results += [dict(r, T=args.model_length, source=source, dtype=args.dtype)
+                    for r in rows]
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     return results

@@ -15,7 +15,8 @@ a = (alpha - 1) beta; relumax (anchor max, shift -b) and epanechnikov_fixed (anc
 
 :func:`power_attention` runs Triton kernels (:mod:`.triton_kernels.power_attention`): compiled
 on CUDA tensors, under Triton's interpreter on CPU tensors (slow: for tests). It keeps O(n) per
-row for the backward (m, shift, N), never a score matrix. Scores, thresholds and sums are
+row for the backward (m, shift, N) and one byte per (row block, key block) tile (whether the
+tile holds any weight: the backward skips the others), never a score matrix. Scores, thresholds and sums are
 fp32; bf16/fp16 inputs enter the products as they are (fp32 accumulation), fp32 inputs at
 about fp32's accuracy (three TF32 products on the GPU, ``tf32x3``; plain TF32 scores would be
 off by ~1e-3 beta).
@@ -32,7 +33,29 @@ from .triton_backend import cdiv, kernel_source, pinned_tiles, pow2_at_least, tr
 
 KERNELS = kernel_source(__file__, "power_attention")
 NEWTON_STEPS = 30  # cap on the threshold's Newton passes (r >= 1: monotone, 3-6 measured)
-NEWTON_TOL = 1e-6  # a Newton step below this (scores are O(beta)) ends the passes
+NEWTON_TOL = 1e-6  # a Newton step below this (scores are O(beta)) ends the passes (fp32)
+# ... bf16/fp16 inputs: their scores err by ~2^-8 |c| (x by ~a 4e-3), so a threshold closer
+# than 1e-3 buys nothing; after a step this small the next is ~1e-6 (quadratic convergence)
+NEWTON_TOL_HALF = 1e-3
+# the forward's counts, appended per call while a list (tests, bench/work_model.py):
+# {"iters": (B H, row blocks) passes after the row max (Newton's, then the output's unless
+# the last Newton pass made it), "live": (B H, row blocks, key blocks) live tiles}
+RECORD: list[dict[str, Tensor]] | None = None
+
+
+def newton_tol(dtype: torch.dtype) -> float:
+    """The Newton stopping step for inputs of this dtype."""
+    return NEWTON_TOL if dtype in (torch.float32, torch.float64) else NEWTON_TOL_HALF
+
+
+def newton_pred(r: float, tol: float) -> float:
+    """After a Newton step below this, the next pass also makes the output (kept when it ends
+    the passes). Steps shrink quadratically for r > 1 (the next after sqrt(tol) is ~tol); for
+    r = 1 (sparsemax) Newton is exact once the support is found, after steps up to ~3e-2.
+    On gpu_check's inputs (T 4096, bf16 and fp32 tolerances) this saves the output pass of
+    0.9-1.0 of the row blocks for 0.0-0.3 value products wasted (docs/notes/
+    2026-12-07-work-model.md)."""
+    return 3e-2 if r == 1 else tol ** 0.5
 
 
 def _r_kind(r: float) -> int:
@@ -43,11 +66,11 @@ def _blocks(device: torch.device, d: int, dv: int,
             dtype: torch.dtype) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, num_warps) for head size d, value size dv: the
     tiles pinned for "power" (:func:`~.triton_backend.use_tiles`, ``MOSAICS_TILES``), else
-    this rule, from sm_90 compiles (``cuobjdump --dump-resource-usage``): bf16/fp16 at
-    64 x 64, 8 warps (64 x 32 for head sizes above 64) use 189-235 registers and no stack in
-    all three kernels; fp32 (three TF32 products per product) spills least at 64 x 32 with
-    8 warps (16, 200 and 480 bytes of stack at head size 64; 64 x 64 with 4 warps:
-    848-1656)."""
+    this rule, from sm_90 compiles of the launches with their divisibility hints
+    (``cuobjdump --dump-resource-usage``, tests/test_fused_compile.py): bf16/fp16 at 64 x 64,
+    8 warps (64 x 32 for head sizes above 64) use 207/214/179 registers (forward, dq, dkv;
+    biweight with ALiBi) and no stack; fp32 (three TF32 products per product) at 64 x 32 with
+    8 warps 0, 40 and 288 bytes of stack at head size 64 (64 x 64 with 4 warps: 848-1656)."""
     bd = pow2_at_least(d, 16)
     bdv = pow2_at_least(dv, 16)
     pinned = pinned_tiles("power")
@@ -112,27 +135,34 @@ class _PowerAttention(torch.autograd.Function):
         out = torch.zeros(B * H, n, DV, dtype=torch.float32, device=q.device)
         stats = torch.zeros(3, B * H, n, dtype=torch.float32, device=q.device)  # m, shift, N
         arg = torch.zeros(B * H, n, dtype=torch.int32, device=q.device)
+        # one flag per (row block, key block): cleared where a pass finds no weight
+        live = torch.ones(B * H, cdiv(n, bm), max(1, cdiv(S, bn)), dtype=torch.int8,
+                          device=q.device)
+        iters = torch.zeros(B * H, cdiv(n, bm), dtype=torch.int32, device=q.device)
         if n and S:
             mod = triton_module(KERNELS)
             mod._power_fwd[(cdiv(n, bm), B * H)](
-                qf, kf, vf, af, bf, lo_i, hi_i, out, stats[0], stats[1], stats[2], arg,
-                qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0),
+                qf, kf, vf, af, bf, lo_i, hi_i, out, stats[0], stats[1], stats[2], arg, live,
+                iters, qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0),
                 vf.stride(1), out.stride(0), out.stride(1),
-                lo_i.stride(0) if lo_i.shape[0] > 1 else 0,
+                lo_i.stride(0) if lo_i.shape[0] > 1 else 0, live.stride(0),
                 H, n, S, D, DV, float(r), float(-1.0 if shift is None else shift),
-                float(0.0 if anchor is None else anchor), NEWTON_TOL, pos0,
+                float(0.0 if anchor is None else anchor), newton_tol(dt),
+                newton_pred(r, newton_tol(dt)), pos0, live.shape[2],
                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bdv, ANCHOR_MAX=anchor is None,
                 SOLVE=entmax, R_KIND=_r_kind(r), N_ITER=NEWTON_STEPS, IEEE=_ieee(dt, q.device),
                 HAS_BIAS=bias is not None, num_warps=warps)
         ctx.config = (r, anchor, entmax, pos0, bias is not None, (bm, bn, bd, bdv, warps), dt,
                       q.dtype, k.dtype, v.dtype, a.dtype, None if bias is None else bias.dtype)
-        ctx.save_for_backward(qf, kf, vf, af, bf, lo_i, hi_i, out, stats, arg)
+        if RECORD is not None:
+            RECORD.append({"iters": iters.cpu(), "live": live.cpu()})
+        ctx.save_for_backward(qf, kf, vf, af, bf, lo_i, hi_i, out, stats, arg, live)
         return out.view(B, H, n, DV).to(v.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):  # noqa: ANN205
-        qf, kf, vf, af, bf, lo_i, hi_i, y, stats, arg = ctx.saved_tensors
+        qf, kf, vf, af, bf, lo_i, hi_i, y, stats, arg, live = ctx.saved_tensors
         (r, anchor, entmax, pos0, has_bias, (bm, bn, bd, bdv, warps), dt, q_dt, k_dt, v_dt, a_dt,
          b_dt) = ctx.config
         B, H, n, DV = grad.shape
@@ -157,12 +187,13 @@ class _PowerAttention(torch.autograd.Function):
                       "R_KIND": _r_kind(r), "IEEE": _ieee(dt, qf.device), "HAS_BIAS": has_bias,
                       "num_warps": warps}
             mod._power_bwd_dq[(cdiv(n, bm), BH)](
-                qf, kf, vf, g, af, bf, lo_i, hi_i, m, shift, kappa, c, dq, rsum, rsumj, *common,
-                H, n, S, D, DV, float(r), pos0, SOLVE=entmax, **consts)
+                qf, kf, vf, g, af, bf, lo_i, hi_i, m, shift, kappa, c, dq, rsum, rsumj, live,
+                *common, live.stride(0), H, n, S, D, DV, float(r), pos0, live.shape[2],
+                SOLVE=entmax, **consts)
             first, last = _query_blocks(lo_i, hi_i, S, bm, bn)
             mod._power_bwd_dkv[(cdiv(S, bn), BH)](
                 qf, kf, vf, g, af, bf, lo_i, hi_i, m, shift, kappa, c, inv, first, last, dk, dv,
-                *common, first.stride(0) if first.shape[0] > 1 else 0,
+                live, *common, first.stride(0) if first.shape[0] > 1 else 0, live.stride(0),
                 H, n, S, D, DV, float(r), first.shape[1], pos0, **consts)
         dq, dk, dv = dq[..., :D], dk[..., :D], dv[..., :DV]
         qd = qf.float()

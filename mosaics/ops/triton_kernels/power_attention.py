@@ -7,11 +7,22 @@ bias_i (t_i - j) with HAS_BIAS, t_i = i + pos0):
     y_i  = sum_j p_ij v_j / N_i   (0 when N_i = 0),
 
 m_i the row max of c (ANCHOR_MAX) or a constant, shift_i a constant or (SOLVE) the
-alpha-entmax threshold: Newton on g(tau) = (sum_j [x_ij - tau]_+^r)^(1/r) - 1 from tau = -1,
-one pass over the row's keys per step. Every loop walks the key blocks of a block of query
-rows (only those inside the rows' intervals); no score block outlives its loop body, and a
-tile where every u is 0 (outside every row's support: most tiles of a sparse kernel) skips its
-value and gradient products.
+alpha-entmax threshold: Newton on g(tau) = (sum_j [x_ij - tau]_+^r)^(1/r) - 1, one pass over
+the row's keys per step, the row sums of [x - tau]_+^r and of its derivative accumulated
+elementwise and reduced once per pass. Newton starts below the root and rises to it (g is
+convex and decreasing), from the best lower bound the row-max pass gives for free: tau = -1
+(x <= 0 and max x = 0), or, for any subset A of the row's entries, by the power mean,
+
+    tau_A = (sum_{j in A} x_ij - |A|^(1 - 1/r)) / |A|   (g(tau_A) >= 0),
+
+with A_k the entries within delta_k / a_i of the running row max when their tile is read
+(sum_A x = a (sum_A c - |A| m): accumulated before m is known), delta in {1, 1/2, 1/4}.
+
+Every loop walks the key blocks of a block of query rows (only those inside the rows'
+intervals); no score block outlives its loop body. Live tiles: ``LIVE`` holds one flag per
+(row block, key block), 1 on entry. A tile where every u is 0 at a pass's tau is cleared, and
+since tau only rises it stays dead: later passes, the output pass and both backward kernels
+skip its QK^T, not only its value and gradient products (AdaSplash's block mask).
 
 Backward (dx = kappa h (dp - c), h = u^(r-1), dp_ij = g_i . v_j):
 - ``_power_bwd_dq``, per block of query rows: (SOLVE) c_i = sum h dp / sum h in a first pass,
@@ -37,6 +48,8 @@ _knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; earlier, the environme
 _INTERPRETING = (bool(_knobs.runtime.interpret) if _knobs is not None
                  else os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 FP32_PRECISION: tl.constexpr = tl.constexpr("ieee" if _INTERPRETING else "tf32x3")
+# below the subset bound: its sums of up to ~16k fp32 cosines err by ~1e-6 in tau
+START_MARGIN: tl.constexpr = tl.constexpr(1e-3)
 
 
 @triton.jit
@@ -88,6 +101,21 @@ def _any_positive(u):
 
 
 @triton.jit
+def _subset_sum(c, m, inv_a, delta):
+    """Row sums of c and counts over the entries within delta / a of the running max m."""
+    inside = c > (m - delta * inv_a)[:, None]
+    return tl.sum(tl.where(inside, c, 0.0), axis=1), tl.sum(inside.to(tl.float32), axis=1)
+
+
+@triton.jit
+def _subset_bound(sc, cnt, a, m, r):
+    """tau_A = (a (sum_A c - |A| m) - |A|^(1 - 1/r)) / |A| (-1 for an empty A)."""
+    safe = tl.maximum(cnt, 1.0)
+    low = (a * (sc - cnt * m) - tl.exp((1.0 - 1.0 / r) * tl.log(safe))) / safe
+    return tl.where(cnt > 0, low, -1.0)
+
+
+@triton.jit
 def _biased(c, bias, t, j, HAS_BIAS: tl.constexpr):
     """c - bias_i (t_i - j): a linear position bias (ALiBi) on the cosines."""
     if HAS_BIAS:
@@ -111,9 +139,9 @@ def _u(c, a, m, shift, lo, hi, j):
 
 
 @triton.jit
-def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG,
-               sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, so_bh, so_n, s_lo_b,
-               H, n, S, D, DV, r, shift_const, anchor_const, tol, pos0,
+def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG, LIVE, ITERS,
+               sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, so_bh, so_n, s_lo_b, s_live_bh,
+               H, n, S, D, DV, r, shift_const, anchor_const, tol, pred, pos0, n_kb,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, ANCHOR_MAX: tl.constexpr, SOLVE: tl.constexpr,
                R_KIND: tl.constexpr, N_ITER: tl.constexpr, IEEE: tl.constexpr,
@@ -138,10 +166,19 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG,
     start = (tl.min(tl.where(row_ok & (hi >= lo), lo, S), axis=0) // BLOCK_N) * BLOCK_N
     end = tl.max(tl.where(row_ok, hi, -1), axis=0) + 1  # key blocks [start, end) seen
     k_base = K + bh * sk_bh + dd[None, :]
+    live_row = LIVE + bh * s_live_bh + pid_m * n_kb  # this row block's tile flags
 
-    # the anchor m: the row max of the visible scores, or a constant
+    # the anchor m: the row max of the visible scores, or a constant; with SOLVE the subset
+    # sums of the lower bounds tau_A (delta 1, 1/2, 1/4)
     m = tl.full((BLOCK_M,), anchor_const, tl.float32)
     arg = tl.zeros((BLOCK_M,), tl.int32)
+    inv_a = tl.where(a > 0, 1.0 / tl.maximum(a, 1e-38), 0.0)
+    sc0 = tl.zeros((BLOCK_M,), tl.float32)
+    sc1 = tl.zeros((BLOCK_M,), tl.float32)
+    sc2 = tl.zeros((BLOCK_M,), tl.float32)
+    n0 = tl.zeros((BLOCK_M,), tl.float32)
+    n1 = tl.zeros((BLOCK_M,), tl.float32)
+    n2 = tl.zeros((BLOCK_M,), tl.float32)
     if ANCHOR_MAX:
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         for j0 in range(start, end, BLOCK_N):
@@ -155,47 +192,92 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG,
             better = bm > m
             arg = tl.where(better, barg, arg)
             m = tl.where(better, bm, m)
+            if SOLVE:
+                s_, c_ = _subset_sum(c, m, inv_a, 1.0)
+                sc0 += s_
+                n0 += c_
+                s_, c_ = _subset_sum(c, m, inv_a, 0.5)
+                sc1 += s_
+                n1 += c_
+                s_, c_ = _subset_sum(c, m, inv_a, 0.25)
+                sc2 += s_
+                n2 += c_
         m = tl.where(m == float("-inf"), 0.0, m)
 
-    # the shift: a constant, or the alpha-entmax threshold (Newton from tau = -1)
+    # the shift: a constant, or the alpha-entmax threshold (Newton from a lower bound)
     shift = tl.full((BLOCK_M,), shift_const, tl.float32)
-    if SOLVE:
-        tau = tl.full((BLOCK_M,), -1.0, tl.float32)
-        it = 0
-        moving = 1
-        while (it < N_ITER) & (moving > 0):
-            f = tl.zeros((BLOCK_M,), tl.float32)
-            s = tl.zeros((BLOCK_M,), tl.float32)
-            for j0 in range(start, end, BLOCK_N):
-                j = j0 + cols
-                c = _biased(_scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE), bias, t, j,
-                        HAS_BIAS)
-                d = _u(c, a, m, tau, lo, hi, j)
-                f += tl.sum(_power(d, R_KIND, r), axis=1)
-                s += tl.sum(_power_m1(d, R_KIND, r), axis=1)
-            # g(tau) = f^(1/r) - 1; Newton: tau += (f - f^(1 - 1/r)) / s
-            f_low = tl.where(f > 0, tl.exp((1.0 - 1.0 / r) * tl.log(tl.maximum(f, 1e-38))), 0.0)
-            step = tl.where(s > 0, (f - f_low) / tl.maximum(s, 1e-38), 0.0)
-            tau += step
-            it += 1
-            moving = tl.sum(tl.where(tl.abs(step) > tol, 1, 0), axis=0)
-        shift = tau
-
-    # the output: y = sum_j p_ij v_j / N_i
+    it = 0
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     total = tl.zeros((BLOCK_M,), tl.float32)
     v_base = V + bh * sv_bh + dv[None, :]
-    for j0 in range(start, end, BLOCK_N):
-        j = j0 + cols
-        c = _biased(_scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE), bias, t, j,
-                    HAS_BIAS)
-        u = _u(c, a, m, shift, lo, hi, j)
-        if _any_positive(u):  # a tile outside every row's support adds nothing
-            p = _power(u, R_KIND, r)
-            total += tl.sum(p, axis=1)
-            v = tl.load(v_base + j[:, None] * sv_n, mask=(j[:, None] < S) & dv_ok[None, :],
-                        other=0.0)
-            acc += _dot(p.to(v.dtype), v, IEEE)
+    fused = 0  # 1: the last Newton pass also made the output (no output pass)
+    if SOLVE:
+        tau = tl.full((BLOCK_M,), -1.0, tl.float32)
+        if ANCHOR_MAX:  # the best subset bound, less a margin for its fp32 sums
+            low = tl.maximum(tl.maximum(_subset_bound(sc0, n0, a, m, r),
+                                        _subset_bound(sc1, n1, a, m, r)),
+                             _subset_bound(sc2, n2, a, m, r))
+            tau = tl.maximum(tau, low - START_MARGIN)
+        tau_used = tau
+        last = tl.max(tl.full((BLOCK_M,), float("inf"), tl.float32), axis=0)
+        moving = 1
+        while (it < N_ITER) & (moving > 0):
+            # after a step below ``pred`` this pass is likely the last: it also accumulates
+            # the output at its tau, kept if no row then moves by more than tol
+            spec = last < pred
+            f2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            s2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+            for j0 in range(start, end, BLOCK_N):
+                flag = live_row + j0 // BLOCK_N
+                if tl.load(flag) != 0:
+                    j = j0 + cols
+                    c = _biased(_scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE), bias,
+                                t, j, HAS_BIAS)
+                    d = _u(c, a, m, tau, lo, hi, j)
+                    if _any_positive(d):
+                        p = _power(d, R_KIND, r)
+                        f2 += p
+                        s2 += _power_m1(d, R_KIND, r)
+                        if spec:
+                            v = tl.load(v_base + j[:, None] * sv_n,
+                                        mask=(j[:, None] < S) & dv_ok[None, :], other=0.0)
+                            acc += _dot(p.to(v.dtype), v, IEEE)
+                    else:  # dead at this tau, so at every later one
+                        tl.store(flag, 0)
+            f = tl.sum(f2, axis=1)
+            s = tl.sum(s2, axis=1)
+            # g(tau) = f^(1/r) - 1; Newton: tau += (f - f^(1 - 1/r)) / s
+            f_low = tl.where(f > 0, tl.exp((1.0 - 1.0 / r) * tl.log(tl.maximum(f, 1e-38))), 0.0)
+            step = tl.where(s > 0, (f - f_low) / tl.maximum(s, 1e-38), 0.0)
+            tau_used = tau
+            total = f
+            tau += step
+            it += 1
+            last = tl.max(tl.abs(step), axis=0)
+            moving = tl.sum(tl.where(tl.abs(step) > tol, 1, 0), axis=0)
+            fused = tl.where(spec & (moving == 0), 1, 0)
+        shift = tl.where(fused > 0, tau_used, tau)
+
+    # the output: y = sum_j p_ij v_j / N_i; the flags left are the backward's live tiles
+    if fused == 0:
+        acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+        total = tl.zeros((BLOCK_M,), tl.float32)
+        for j0 in range(start, end, BLOCK_N):
+            flag = live_row + j0 // BLOCK_N
+            if tl.load(flag) != 0:
+                j = j0 + cols
+                c = _biased(_scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE), bias, t,
+                            j, HAS_BIAS)
+                u = _u(c, a, m, shift, lo, hi, j)
+                if _any_positive(u):
+                    p = _power(u, R_KIND, r)
+                    total += tl.sum(p, axis=1)
+                    v = tl.load(v_base + j[:, None] * sv_n,
+                                mask=(j[:, None] < S) & dv_ok[None, :], other=0.0)
+                    acc += _dot(p.to(v.dtype), v, IEEE)
+                else:
+                    tl.store(flag, 0)
     inv = tl.where(total > 0, 1.0 / tl.maximum(total, 1e-38), 0.0)
     tl.store(OUT + bh * so_bh + rows[:, None] * so_n + dv[None, :], acc * inv[:, None],
              mask=row_ok[:, None] & dv_ok[None, :])
@@ -204,12 +286,13 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG,
     tl.store(SHIFT + stat, shift, mask=row_ok)
     tl.store(NSUM + stat, total, mask=row_ok)
     tl.store(ARG + stat, arg, mask=row_ok)
+    tl.store(ITERS + bh * tl.num_programs(0) + pid_m, it + 1 - fused)  # passes after the max
 
 
 @triton.jit
-def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSUMJ,
-                  sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, sg_bh, sg_n, s_lo_b,
-                  H, n, S, D, DV, r, pos0,
+def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSUMJ, LIVE,
+                  sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, sg_bh, sg_n, s_lo_b, s_live_bh,
+                  H, n, S, D, DV, r, pos0, n_kb,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, SOLVE: tl.constexpr, R_KIND: tl.constexpr,
                   IEEE: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -240,16 +323,17 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
     end = tl.max(tl.where(row_ok, hi, -1), axis=0) + 1  # key blocks [start, end) seen
     k_base = K + bh * sk_bh + dd[None, :]
     v_base = V + bh * sv_bh + dv[None, :]
+    live_row = LIVE + bh * s_live_bh + pid_m * n_kb  # the forward's live tiles
 
     if SOLVE:  # c_i = sum_j h dp / sum_j h
         num = tl.zeros((BLOCK_M,), tl.float32)
         den = tl.zeros((BLOCK_M,), tl.float32)
         for j0 in range(start, end, BLOCK_N):
-            j = j0 + cols
-            cs = _biased(_scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE), bias, t,
-                         j, HAS_BIAS)
-            u = _u(cs, a, m, shift, lo, hi, j)
-            if _any_positive(u):
+            if tl.load(live_row + j0 // BLOCK_N) != 0:
+                j = j0 + cols
+                cs = _biased(_scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE), bias, t,
+                             j, HAS_BIAS)
+                u = _u(cs, a, m, shift, lo, hi, j)
                 h = _power_m1(u, R_KIND, r)
                 v = tl.load(v_base + j[:, None] * sv_n, mask=(j[:, None] < S) & dv_ok[None, :],
                             other=0.0)
@@ -265,11 +349,12 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
     rsum = tl.zeros((BLOCK_M,), tl.float32)
     rsumj = tl.zeros((BLOCK_M,), tl.float32)
     for j0 in range(start, end, BLOCK_N):
-        j = j0 + cols
-        k = tl.load(k_base + j[:, None] * sk_n, mask=(j[:, None] < S) & d_ok[None, :], other=0.0)
-        cs = _biased(_dot(q, tl.trans(k), IEEE), bias, t, j, HAS_BIAS)
-        u = _u(cs, a, m, shift, lo, hi, j)
-        if _any_positive(u):
+        if tl.load(live_row + j0 // BLOCK_N) != 0:
+            j = j0 + cols
+            k = tl.load(k_base + j[:, None] * sk_n, mask=(j[:, None] < S) & d_ok[None, :],
+                        other=0.0)
+            cs = _biased(_dot(q, tl.trans(k), IEEE), bias, t, j, HAS_BIAS)
+            u = _u(cs, a, m, shift, lo, hi, j)
             h = _power_m1(u, R_KIND, r)
             v = tl.load(v_base + j[:, None] * sv_n, mask=(j[:, None] < S) & dv_ok[None, :],
                         other=0.0)
@@ -288,7 +373,8 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
 
 @triton.jit
 def _power_bwd_dkv(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, INV, QB_FIRST, QB_LAST, DK,
-                   DV_OUT, sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, sg_bh, sg_n, s_lo_b, s_qb_b,
+                   DV_OUT, LIVE, sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, sg_bh, sg_n, s_lo_b,
+                   s_qb_b, s_live_bh,
                    H, n, S, D, DV, r, n_kb, pos0,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, R_KIND: tl.constexpr, IEEE: tl.constexpr,
@@ -311,24 +397,24 @@ def _power_bwd_dkv(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, INV, QB_FIRS
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dvv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     for qb in range(first, last + 1):
-        rows = qb * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < n
-        lo, hi = _row_bounds(LO, HI, batch * s_lo_b + rows, row_ok, S)
-        q = tl.load(Q + bh * sq_bh + rows[:, None] * sq_n + dd[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        g = tl.load(G + bh * sg_bh + rows[:, None] * sg_n + dv[None, :],
-                    mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
-        stat = bh * n + rows
-        a = tl.load(A + stat, mask=row_ok, other=0.0)
-        m = tl.load(M + stat, mask=row_ok, other=0.0)
-        shift = tl.load(SHIFT + stat, mask=row_ok, other=0.0)
-        kappa = tl.load(KAPPA + stat, mask=row_ok, other=0.0)
-        cc = tl.load(C + stat, mask=row_ok, other=0.0)
-        inv = tl.load(INV + stat, mask=row_ok, other=0.0)
-        bias = tl.load(BIAS + stat, mask=row_ok, other=0.0)
-        cs = _biased(_dot(q, tl.trans(k), IEEE), bias, rows + pos0, j, HAS_BIAS)
-        u = _u(cs, a, m, shift, lo, hi, j)  # hi <= S - 1: columns past the keys are not seen
-        if _any_positive(u):
+        if tl.load(LIVE + bh * s_live_bh + qb * n_kb + pid_n) != 0:  # the forward's live tiles
+            rows = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = rows < n
+            lo, hi = _row_bounds(LO, HI, batch * s_lo_b + rows, row_ok, S)
+            q = tl.load(Q + bh * sq_bh + rows[:, None] * sq_n + dd[None, :],
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            g = tl.load(G + bh * sg_bh + rows[:, None] * sg_n + dv[None, :],
+                        mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+            stat = bh * n + rows
+            a = tl.load(A + stat, mask=row_ok, other=0.0)
+            m = tl.load(M + stat, mask=row_ok, other=0.0)
+            shift = tl.load(SHIFT + stat, mask=row_ok, other=0.0)
+            kappa = tl.load(KAPPA + stat, mask=row_ok, other=0.0)
+            cc = tl.load(C + stat, mask=row_ok, other=0.0)
+            inv = tl.load(INV + stat, mask=row_ok, other=0.0)
+            bias = tl.load(BIAS + stat, mask=row_ok, other=0.0)
+            cs = _biased(_dot(q, tl.trans(k), IEEE), bias, rows + pos0, j, HAS_BIAS)
+            u = _u(cs, a, m, shift, lo, hi, j)  # hi <= S - 1: columns past the keys are not seen
             p = _power(u, R_KIND, r) * inv[:, None]
             dvv += _dot(tl.trans(p).to(g.dtype), g, IEEE)
             dp = _dot(g, tl.trans(v), IEEE)
