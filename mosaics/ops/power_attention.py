@@ -16,10 +16,10 @@ a = (alpha - 1) beta; relumax (anchor max, shift -b) and epanechnikov_fixed (anc
 :func:`power_attention` runs Triton kernels (:mod:`.triton_kernels.power_attention`): compiled
 on CUDA tensors, under Triton's interpreter on CPU tensors (slow: for tests). It keeps O(n) per
 row for the backward (m, shift, N) and one byte per (row block, key block) tile (whether the
-tile holds any weight: the backward skips the others), never a score matrix. Scores, thresholds and sums are
-fp32; bf16/fp16 inputs enter the products as they are (fp32 accumulation), fp32 inputs at
-about fp32's accuracy (three TF32 products on the GPU, ``tf32x3``; plain TF32 scores would be
-off by ~1e-3 beta).
+tile holds any weight: the backward skips the others), never a score matrix. Scores,
+thresholds and sums are fp32; bf16/fp16 inputs enter the products as they are (fp32
+accumulation), fp32 inputs at about fp32's accuracy (three TF32 products on the GPU,
+``tf32x3``; plain TF32 scores would be off by ~1e-3 beta).
 :func:`power_attention_reference` is the same map written densely in PyTorch.
 """
 
