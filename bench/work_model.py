@@ -130,8 +130,9 @@ def newton(x: torch.Tensor, r: float, blocks: torch.Tensor, n_blocks: int,
     makes the output; when it is the last, its tau is the shift and no output pass follows
     (the block is *fused*). ``tiles``: (n_blocks,) key tiles each block reads (default:
     all). Returns the shift (rows, 1), the passes of each block (n_blocks,), the tiles each
-    block read over its passes (n_blocks,), the live flags (n_blocks, key tiles) and whether
-    each block is fused (n_blocks,)."""
+    block read over its passes (n_blocks,), the live flags (n_blocks, key tiles), whether
+    each block is fused (n_blocks,) and the value products of passes that made an output and
+    were not the last (n_blocks,)."""
     width = x.shape[1]
     n_kt = -(-width // bn)
     tiles = torch.full((n_blocks,), n_kt) if tiles is None else tiles
@@ -142,6 +143,7 @@ def newton(x: torch.Tensor, r: float, blocks: torch.Tensor, n_blocks: int,
     read = torch.zeros(n_blocks)
     done = torch.zeros(n_blocks, dtype=torch.bool)
     fused = torch.zeros(n_blocks, dtype=torch.bool)
+    wasted = torch.zeros(n_blocks)
     last = torch.full((n_blocks,), float("inf"))
     pred = newton_pred(r, tol)
     for _ in range(NEWTON_STEPS):
@@ -150,6 +152,7 @@ def newton(x: torch.Tensor, r: float, blocks: torch.Tensor, n_blocks: int,
         pos = torch.nn.functional.pad(d > 0, (0, -width % bn)).view(x.shape[0], n_kt, bn).any(2)
         block_pos = torch.zeros(n_blocks, n_kt).index_add_(0, blocks, pos.float()) > 0
         live = torch.where(done.view(-1, 1), live, live & block_pos)
+        spec_pv = torch.where(done | ~(last < pred), 0.0, live.sum(1).float())
         f = d.pow(r).sum(1, keepdim=True)
         s = ((d > 0).float() if r == 1 else d.pow(r - 1)).sum(1, keepdim=True)
         f_low = torch.where(f > 0, f.clamp_min(1e-38).pow(1 - 1 / r), 0.0)
@@ -159,6 +162,7 @@ def newton(x: torch.Tensor, r: float, blocks: torch.Tensor, n_blocks: int,
         moving = torch.zeros(n_blocks).index_add_(
             0, blocks, (step.abs() > tol).float().view(-1)) > 0
         fused = torch.where(active, spec & ~moving, fused)
+        wasted += torch.where(active & moving, spec_pv, 0.0)  # value products thrown away
         shift = torch.where(active[blocks].view(-1, 1), tau, shift)  # this pass's tau
         tau = torch.where(active[blocks].view(-1, 1), tau + step, tau)
         its = torch.where(active, its + 1, its)
@@ -167,7 +171,7 @@ def newton(x: torch.Tensor, r: float, blocks: torch.Tensor, n_blocks: int,
         if bool(done.all()):
             break
     shift = torch.where(fused[blocks].view(-1, 1), shift, tau)
-    return shift, its, read, live, fused
+    return shift, its, read, live, fused, wasted
 
 
 def power_head(q: torch.Tensor, k: torch.Tensor, a: float, form: dict[str, Any], bm: int,
@@ -177,7 +181,7 @@ def power_head(q: torch.Tensor, k: torch.Tensor, a: float, form: dict[str, Any],
     r, entmax = form["r"], form["entmax"]
     nb = -(-n // bm)
     out = {"tiles": 0.0, "sweep_tiles": 0.0, "newton_tiles": 0.0, "newton_read": 0.0,
-           "output_read": 0.0, "fused_tiles": 0.0, "live": 0.0, "fine_tiles": 0.0,
+           "output_read": 0.0, "fused_tiles": 0.0, "wasted": 0.0, "live": 0.0, "fine_tiles": 0.0,
            "fine_live": 0.0, "empty_rows": 0.0, "newton_max": 0.0}
     for b0 in range(0, nb, group):  # a group of row blocks at once
         r0, r1 = b0 * bm, min(n, (b0 + group) * bm)
@@ -200,10 +204,11 @@ def power_head(q: torch.Tensor, k: torch.Tensor, a: float, form: dict[str, Any],
         read = torch.zeros(n_blocks)
         after = tiles_of.float()  # the tiles the output pass reads
         fused = torch.zeros(n_blocks, dtype=torch.bool)
+        wasted = torch.zeros(n_blocks)
         if entmax:
             tau0 = subset_start(cv, a, r, bn) if form["anchor"] is None else None
-            shift, its, read, flags, fused = newton(x, r, blocks, n_blocks, tau0, tol, bn,
-                                                    tiles_of)
+            shift, its, read, flags, fused, wasted = newton(x, r, blocks, n_blocks, tau0, tol,
+                                                            bn, tiles_of)
             after = torch.where(fused, 0.0, flags.sum(1).float())
         else:
             shift = torch.full_like(m, form["shift"])
@@ -221,6 +226,7 @@ def power_head(q: torch.Tensor, k: torch.Tensor, a: float, form: dict[str, Any],
             out["newton_read"] += float(read[blk])
             out["output_read"] += float(after[blk])
             out["fused_tiles"] += float(fused[blk]) * tiles
+            out["wasted"] += float(wasted[blk])
             out["newton_max"] = max(out["newton_max"], float(its[blk]))
             out["live"] += live
             fine_live = _tile_any(u[rows, :last + 1], 0, fine, fine)
@@ -255,7 +261,9 @@ def power_counts(name: str, keys: torch.Tensor, beta: torch.Tensor, bm: int = 64
             "output_read": tot["output_read"] / tiles, "fused": tot["fused_tiles"] / tiles,
             "live": live, "live_fine": tot["fine_live"] / tot["fine_tiles"],
             "empty_rows": tot["empty_rows"] / (keys.shape[1] * (keys.shape[2] - 1)),
-            "fwd_products": sweeps + live,
+            # QK^T per tile read, P V per live tile (and per live tile of a pass that made
+            # an output it then threw away)
+            "fwd_products": sweeps + live + tot["wasted"] / tiles,
             # live tiles only: dq (entmax: QK^T + dP for c) QK^T + dP + dQ; dkv QK^T + dV,
             # dP, dK
             "bwd_products": (9 if solve else 7) * live,
@@ -405,7 +413,8 @@ def model_keys(model_dir: Path, tokens: Path | None, T: int) -> tuple[torch.Tens
 
 def table(rows: list[dict[str, Any]], title: str) -> str:
     """The rows as a Markdown table (one row per kernel), FlashAttention-2's first."""
-    head = ["kernel", "QK^T sweeps fwd", "Newton passes (mean / max) / tiles read",
+    head = ["kernel", "QK^T sweeps fwd",
+            "Newton passes (mean / max) / tiles read / output in the last",
             "live 64x64 (16x16)",
             "kNN network (before) / insertion (steps) / cumsum / tie tiles / tied rows",
             "products fwd / bwd",
@@ -418,8 +427,8 @@ def table(rows: list[dict[str, Any]], title: str) -> str:
         return "-" if x is None else fmt.format(x)
 
     for r in rows:
-        newton = (f"{r['newton_sweeps']:.2f} / {r['newton_max']:.0f} / {r['newton_read']:.2f}"
-                  if r.get("newton_sweeps") else "-")
+        newton = (f"{r['newton_sweeps']:.2f} / {r['newton_max']:.0f} / {r['newton_read']:.2f} / "
+                  f"{r['fused']:.2f}" if r.get("newton_sweeps") else "-")
         live = num(r.get("live"), "{:.3f}") + (f" ({r['live_fine']:.3f})"
                                                if "live_fine" in r else "")
         knn = (f"{r['merge']:.3f} ({r['merge_any']:.3f}) / {r['insert']:.3f} "

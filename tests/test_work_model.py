@@ -29,7 +29,7 @@ def test_newton_replica_reaches_the_entmax_threshold(wm, r: float) -> None:
     x[torch.arange(128), torch.randint(0, 250, (128,))] = 0.0  # the row max, as scaled
     x[:, 250:] = float("-inf")  # entries a row does not see
     blocks = torch.arange(128) // 64
-    tau, its, read, live, _ = wm.newton(x, r, blocks, 2, bn=50)
+    tau, its, read, live, _, _ = wm.newton(x, r, blocks, 2, bn=50)
     mass = (x - tau).clamp_min(0).pow(r).sum(1)
     torch.testing.assert_close(mass, torch.ones(128), rtol=1e-4, atol=1e-4)
     assert its.shape == (2,) and bool((its >= 1).all()) and bool((its < wm.NEWTON_STEPS).all())
@@ -39,7 +39,7 @@ def test_newton_replica_reaches_the_entmax_threshold(wm, r: float) -> None:
     # from the subset bound: below the root, and no more passes than from -1
     start = wm.subset_start(x, 1.0, r, 50)
     assert bool((start >= -1).all()) and bool((start <= tau + 1e-6).all())
-    _, its_bound, _, _, _ = wm.newton(x, r, blocks, 2, start, bn=50)
+    _, its_bound, _, _, _, _ = wm.newton(x, r, blocks, 2, start, bn=50)
     assert bool((its_bound <= its).all())
 
 
@@ -54,6 +54,7 @@ def test_power_counts_follow_the_loops(wm) -> None:
     assert 1 <= sparsemax["newton_sweeps"] <= sparsemax["newton_max"] < wm.NEWTON_STEPS
     assert 1 <= sparsemax["newton_read"] <= sparsemax["newton_sweeps"]
     assert 0 <= sparsemax["fused"] <= 1
+    assert sparsemax["live"] <= sparsemax["fwd_products"] - sparsemax["fwd_sweeps"] <= 2
     assert sparsemax["fwd_sweeps"] == pytest.approx(
         1 + sparsemax["newton_read"] + sparsemax["output_read"])
     assert 0 < sparsemax["live_fine"] <= 1 and 0 < sparsemax["live"] <= 1
@@ -133,7 +134,7 @@ def test_the_replica_counts_what_the_interpreted_kernel_does(wm, name: str, shar
     n_blocks = int(blocks.max()) + 1
     tiles = (torch.clamp(torch.arange(n_blocks) * tile + tile, max=n) - 1) // tile + 1
     tau0 = wm.subset_start(cv, scale, form["r"], tile)
-    tau, its, _, _, fused = wm.newton(x, form["r"], blocks, n_blocks, tau0, wm.NEWTON_TOL, tile,
+    tau, its, _, _, fused, _ = wm.newton(x, form["r"], blocks, n_blocks, tau0, wm.NEWTON_TOL, tile,
                                       tiles)
     assert rec["iters"][0].tolist() == (its + ~fused).long().tolist()
     if name == "epanechnikov":  # sparsemax: a block whose last Newton pass made the output
