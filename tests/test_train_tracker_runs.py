@@ -11,18 +11,7 @@ import torch
 
 from mosaics.training.config import TrainConfig
 from mosaics.training.trainer import Hook
-
-
-class RandomTokens:
-    def batch(self, index: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(index))
-        return {"input_ids": ids, "labels": ids.clone()}
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
+from tests.test_trackers import RandomTokens
 
 
 class Killed(Exception):

@@ -54,7 +54,7 @@ def test_stalled_step_ends_with_stacks_and_status(tmp_path):
     from mosaics.training.components import build_hooks, stopping
     from mosaics.training.instrument import LoopProbe
     from mosaics.training.trainer import Trainer, make_accelerator
-    from tests.test_train_tracker_runs import RandomTokens
+    from tests.test_trackers import RandomTokens
 
     cfg = TrainConfig(run_dir=str(tmp_path), max_steps=3, checkpoint_interval=0, eval_interval=0,
                       progress_bar=False, log_with="none", watchdog_s=0.5)
