@@ -250,6 +250,14 @@ def _elu1(c1, s1, c2, s2, live, scale):
 
 
 @triton.jit
+def _features(x, w1_base, w2_base, m, s, M, HS, live, scale, APREC: tl.constexpr):
+    """(g_cos, g_sin) (C, BM) of the keys x (C, BS) for the frequencies m of both sets."""
+    a1, _ = _angles(x, w1_base, m, s, M, HS, APREC)
+    a2, _ = _angles(x, w2_base, m, s, M, HS, APREC)
+    return _elu1(tl.cos(a1), tl.sin(a1), tl.cos(a2), tl.sin(a2), live, scale)
+
+
+@triton.jit
 def elu1_chunk_states(x_ptr, w1_ptr, w2_ptr, b_ptr, w_ptr, s_ptr, z_ptr, T, M, HS, D, NC, H,
                       scale, HAS_W: tl.constexpr, REVERSE: tl.constexpr, C: tl.constexpr,
                       BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr,
@@ -293,10 +301,8 @@ def elu1_chunk_states(x_ptr, w1_ptr, w2_ptr, b_ptr, w_ptr, s_ptr, z_ptr, T, M, H
         tm = t < T
         x = tl.load(x_base + t[:, None] * HS + s[None, :], mask=tm[:, None] & (s < HS)[None, :],
                     other=0.0)
-        a1, _ = _angles(x, w1_base, m, s, M, HS, APREC)
-        a2, _ = _angles(x, w2_base, m, s, M, HS, APREC)
-        gc, gs = _elu1(tl.cos(a1), tl.sin(a1), tl.cos(a2), tl.sin(a2),
-                       tm[:, None] & mm[None, :], scale)
+        gc, gs = _features(x, w1_base, w2_base, m, s, M, HS, tm[:, None] & mm[None, :], scale,
+                           APREC)
         b = _op(tl.load(b_base + t[:, None] * D + d[None, :], mask=tm[:, None] & dm[None, :],
                         other=0.0), DT, DOT)
         Sc += tl.dot(tl.trans(_op(gc, DT, DOT)), b, input_precision=PREC)
@@ -337,10 +343,8 @@ def elu1_chunk_forward(x_ptr, w1_ptr, w2_ptr, v_ptr, s_ptr, z_ptr, y_ptr, den_pt
     for m0 in range(0, M, BM):
         m = m0 + tl.arange(0, BM)
         mm = m < M
-        a1, _ = _angles(x, w1_base, m, s, M, HS, APREC)
-        a2, _ = _angles(x, w2_base, m, s, M, HS, APREC)
-        gc, gs = _elu1(tl.cos(a1), tl.sin(a1), tl.cos(a2), tl.sin(a2),
-                       tm[:, None] & mm[None, :], scale)
+        gc, gs = _features(x, w1_base, w2_base, m, s, M, HS, tm[:, None] & mm[None, :], scale,
+                           APREC)
         sm = mm[:, None] & dm[None, :]
         Pc = tl.load(s_base + m[:, None] * D + d[None, :], mask=sm, other=0.0)
         Ps = tl.load(s_base + (M + m)[:, None] * D + d[None, :], mask=sm, other=0.0)
@@ -395,10 +399,8 @@ def elu1_chunk_backward(x_ptr, w1_ptr, w2_ptr, v_ptr, dn_ptr, dd_ptr, s_ptr, z_p
     A = tl.full((C, C), 0.0, tl.float32)
     for m0 in range(0, M, BM):
         m = m0 + tl.arange(0, BM)
-        a1, _ = _angles(x, w1_base, m, s, M, HS, APREC)
-        a2, _ = _angles(x, w2_base, m, s, M, HS, APREC)
-        gc, gs = _elu1(tl.cos(a1), tl.sin(a1), tl.cos(a2), tl.sin(a2),
-                       tm[:, None] & (m < M)[None, :], scale)
+        gc, gs = _features(x, w1_base, w2_base, m, s, M, HS, tm[:, None] & (m < M)[None, :], scale,
+                           APREC)
         gco = _op(gc, DT, DOT)
         gso = _op(gs, DT, DOT)
         A += tl.dot(gco, tl.trans(gco), input_precision=PREC)
