@@ -19,10 +19,12 @@ with A_k the entries within delta_k / a_i of the running row max when their tile
 (sum_A x = a (sum_A c - |A| m): accumulated before m is known), delta in {1, 1/2, 1/4}.
 
 Every loop walks the key blocks of a block of query rows (only those inside the rows'
-intervals); no score block outlives its loop body. Live tiles: ``LIVE`` holds one flag per
-(row block, key block), 1 on entry. A tile where every u is 0 at a pass's tau is cleared, and
-since tau only rises it stays dead: later passes, the output pass and both backward kernels
-skip its QK^T, not only its value and gradient products (AdaSplash's block mask).
+intervals); no score block outlives its loop body. Only an edge tile (one some row of the
+block does not fully see: the diagonal, an interval's first keys) tests visibility per score.
+Live tiles: ``LIVE`` holds one flag per (row block, key block), 1 on entry. A tile where
+every u is 0 at a pass's tau is cleared, and since tau only rises it stays dead: later
+passes, the output pass and both backward kernels skip its QK^T, not only its value and
+gradient products (AdaSplash's block mask).
 
 Backward (dx = kappa h (dp - c), h = u^(r-1), dp_ij = g_i . v_j):
 - ``_power_bwd_dq``, per block of query rows: (SOLVE) c_i = sum h dp / sum h in a first pass,
@@ -132,10 +134,24 @@ def _row_bounds(LO, HI, offsets, row_ok, S):
 
 
 @triton.jit
-def _u(c, a, m, shift, lo, hi, j):
-    """u = [a (c - m) - shift]_+ on the visible entries (lo <= j <= hi), 0 elsewhere."""
-    vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
-    return tl.where(vis, tl.maximum(a[:, None] * (c - m[:, None]) - shift[:, None], 0.0), 0.0)
+def _edge(j_first, j_last, lo_max, hi_min):
+    """Whether some row of the block (visible keys lo..hi, lo_max = max lo, hi_min = min hi)
+    does not see some key j_first..j_last of the tile: only such tiles are masked, as
+    FlashAttention masks only its diagonal blocks."""
+    return (j_first < lo_max) | (j_last > hi_min)
+
+
+@triton.jit
+def _u(c, a, m, shift, lo, hi, j, edge):
+    """u = [a (c - m) - shift]_+ on the visible entries (lo <= j <= hi), 0 elsewhere; a tile
+    off the edge skips the mask. (Folding m into one offset, a c - (a m + shift), saves a
+    subtraction but loses the exact c - m near the anchor: with a fixed anchor 1 and a 11, a
+    gradient near the support's edge moved by 2.4e-5 in fp32.)"""
+    u = tl.maximum(a[:, None] * (c - m[:, None]) - shift[:, None], 0.0)
+    if edge:
+        vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
+        u = tl.where(vis, u, 0.0)
+    return u
 
 
 @triton.jit
@@ -165,6 +181,8 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG, LIVE, ITERS,
     t = rows + pos0
     start = (tl.min(tl.where(row_ok & (hi >= lo), lo, S), axis=0) // BLOCK_N) * BLOCK_N
     end = tl.max(tl.where(row_ok, hi, -1), axis=0) + 1  # key blocks [start, end) seen
+    lo_max = tl.max(lo, axis=0)  # (rows past n: lo 0, hi -1, so their block is all edge)
+    hi_min = tl.min(hi, axis=0)
     k_base = K + bh * sk_bh + dd[None, :]
     live_row = LIVE + bh * s_live_bh + pid_m * n_kb  # this row block's tile flags
 
@@ -185,8 +203,9 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG, LIVE, ITERS,
             j = j0 + cols
             c = _biased(_scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE), bias, t, j,
                         HAS_BIAS)
-            vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
-            c = tl.where(vis, c, float("-inf"))
+            if _edge(j0, j0 + BLOCK_N - 1, lo_max, hi_min):
+                vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
+                c = tl.where(vis, c, float("-inf"))
             bm = tl.max(c, axis=1)
             barg = tl.argmax(c, axis=1).to(tl.int32) + j0
             better = bm > m
@@ -234,7 +253,8 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG, LIVE, ITERS,
                     j = j0 + cols
                     c = _biased(_scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE), bias,
                                 t, j, HAS_BIAS)
-                    d = _u(c, a, m, tau, lo, hi, j)
+                    edge = _edge(j0, j0 + BLOCK_N - 1, lo_max, hi_min)
+                    d = _u(c, a, m, tau, lo, hi, j, edge)
                     if _any_positive(d):
                         p = _power(d, R_KIND, r)
                         f2 += p
@@ -269,7 +289,8 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG, LIVE, ITERS,
                 j = j0 + cols
                 c = _biased(_scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE), bias, t,
                             j, HAS_BIAS)
-                u = _u(c, a, m, shift, lo, hi, j)
+                edge = _edge(j0, j0 + BLOCK_N - 1, lo_max, hi_min)
+                u = _u(c, a, m, shift, lo, hi, j, edge)
                 if _any_positive(u):
                     p = _power(u, R_KIND, r)
                     total += tl.sum(p, axis=1)
@@ -287,6 +308,18 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG, LIVE, ITERS,
     tl.store(NSUM + stat, total, mask=row_ok)
     tl.store(ARG + stat, arg, mask=row_ok)
     tl.store(ITERS + bh * tl.num_programs(0) + pid_m, it + 1 - fused)  # passes after the max
+
+
+@triton.jit
+def _row_stats(A, M, SHIFT, KAPPA, BIAS, stat, row_ok):
+    """The forward's per-row statistics the backward reads: a, m, shift, kappa and the bias
+    slope."""
+    a = tl.load(A + stat, mask=row_ok, other=0.0)
+    m = tl.load(M + stat, mask=row_ok, other=0.0)
+    shift = tl.load(SHIFT + stat, mask=row_ok, other=0.0)
+    kappa = tl.load(KAPPA + stat, mask=row_ok, other=0.0)
+    bias = tl.load(BIAS + stat, mask=row_ok, other=0.0)
+    return a, m, shift, kappa, bias
 
 
 @triton.jit
@@ -313,14 +346,12 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
                 mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
     lo, hi = _row_bounds(LO, HI, batch * s_lo_b + rows, row_ok, S)
     stat = bh * n + rows
-    a = tl.load(A + stat, mask=row_ok, other=0.0)
-    m = tl.load(M + stat, mask=row_ok, other=0.0)
-    shift = tl.load(SHIFT + stat, mask=row_ok, other=0.0)
-    kappa = tl.load(KAPPA + stat, mask=row_ok, other=0.0)
-    bias = tl.load(BIAS + stat, mask=row_ok, other=0.0)
+    a, m, shift, kappa, bias = _row_stats(A, M, SHIFT, KAPPA, BIAS, stat, row_ok)
     t = rows + pos0
     start = (tl.min(tl.where(row_ok & (hi >= lo), lo, S), axis=0) // BLOCK_N) * BLOCK_N
     end = tl.max(tl.where(row_ok, hi, -1), axis=0) + 1  # key blocks [start, end) seen
+    lo_max = tl.max(lo, axis=0)  # (rows past n: lo 0, hi -1, so their block is all edge)
+    hi_min = tl.min(hi, axis=0)
     k_base = K + bh * sk_bh + dd[None, :]
     v_base = V + bh * sv_bh + dv[None, :]
     live_row = LIVE + bh * s_live_bh + pid_m * n_kb  # the forward's live tiles
@@ -333,7 +364,8 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
                 j = j0 + cols
                 cs = _biased(_scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE), bias, t,
                              j, HAS_BIAS)
-                u = _u(cs, a, m, shift, lo, hi, j)
+                edge = _edge(j0, j0 + BLOCK_N - 1, lo_max, hi_min)
+                u = _u(cs, a, m, shift, lo, hi, j, edge)
                 h = _power_m1(u, R_KIND, r)
                 v = tl.load(v_base + j[:, None] * sv_n, mask=(j[:, None] < S) & dv_ok[None, :],
                             other=0.0)
@@ -354,7 +386,8 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
             k = tl.load(k_base + j[:, None] * sk_n, mask=(j[:, None] < S) & d_ok[None, :],
                         other=0.0)
             cs = _biased(_dot(q, tl.trans(k), IEEE), bias, t, j, HAS_BIAS)
-            u = _u(cs, a, m, shift, lo, hi, j)
+            edge = _edge(j0, j0 + BLOCK_N - 1, lo_max, hi_min)
+            u = _u(cs, a, m, shift, lo, hi, j, edge)
             h = _power_m1(u, R_KIND, r)
             v = tl.load(v_base + j[:, None] * sv_n, mask=(j[:, None] < S) & dv_ok[None, :],
                         other=0.0)
@@ -406,15 +439,14 @@ def _power_bwd_dkv(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, INV, QB_FIRS
             g = tl.load(G + bh * sg_bh + rows[:, None] * sg_n + dv[None, :],
                         mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
             stat = bh * n + rows
-            a = tl.load(A + stat, mask=row_ok, other=0.0)
-            m = tl.load(M + stat, mask=row_ok, other=0.0)
-            shift = tl.load(SHIFT + stat, mask=row_ok, other=0.0)
-            kappa = tl.load(KAPPA + stat, mask=row_ok, other=0.0)
+            a, m, shift, kappa, bias = _row_stats(A, M, SHIFT, KAPPA, BIAS, stat, row_ok)
             cc = tl.load(C + stat, mask=row_ok, other=0.0)
             inv = tl.load(INV + stat, mask=row_ok, other=0.0)
-            bias = tl.load(BIAS + stat, mask=row_ok, other=0.0)
             cs = _biased(_dot(q, tl.trans(k), IEEE), bias, rows + pos0, j, HAS_BIAS)
-            u = _u(cs, a, m, shift, lo, hi, j)  # hi <= S - 1: columns past the keys are not seen
+            # hi <= S - 1: columns past the keys are not seen (their tile is an edge)
+            edge = _edge(pid_n * BLOCK_N, pid_n * BLOCK_N + BLOCK_N - 1, tl.max(lo, axis=0),
+                         tl.min(hi, axis=0))
+            u = _u(cs, a, m, shift, lo, hi, j, edge)
             p = _power(u, R_KIND, r) * inv[:, None]
             dvv += _dot(tl.trans(p).to(g.dtype), g, IEEE)
             dp = _dot(g, tl.trans(v), IEEE)
