@@ -110,10 +110,6 @@ def count(arch: int = 90) -> list[dict]:
     """Per case, kernel and loop: ops per score (compiles in this process; run it without
     TRITON_INTERPRET)."""
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
 
     from mosaics.ops.power_attention import _blocks
 
@@ -124,15 +120,7 @@ def count(arch: int = 90) -> list[dict]:
                                       getattr(torch, fc.DTYPES[dtype]))
         cuda = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "IEEE": dtype == "fp32"}
         for fn, args, kwargs in fc.record_power_launches(dtype, solve, anchor_max, r_kind, bias):
-            kwargs = kwargs | cuda
-            target = GPUTarget("cuda", arch, 32)
-            backend = make_backend(target)
-            binder = create_function_from_signature(fn.signature, fn.params, backend)
-            bound, specialization, options = binder(*args, **kwargs)
-            options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound,
-                                                                  specialization, options)
-            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                                    options=options.__dict__)
+            kernel, _ = fc.build(fn, args, kwargs | cuda, arch)
             for loop, ops, edge in tile_ops(kernel.asm["ttir"]):
                 rows.append({"case": label, "kernel": fn.__name__, "loop": loop,
                              "ops": sum(ops.values()), "edge_ops": sum(edge.values()),

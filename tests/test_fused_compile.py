@@ -87,8 +87,9 @@ def record_power_launches(dtype: str, solve: bool, anchor_max: bool, r_kind: int
     return calls
 
 
-def compile_launch(fn, args: tuple, kwargs: dict, arch: int) -> dict:  # noqa: ANN001
-    """Compile one recorded launch for sm_``arch`` as Triton's launcher would specialize it."""
+def build(fn, args: tuple, kwargs: dict, arch: int):  # noqa: ANN001, ANN201
+    """The compiled kernel of one recorded launch for sm_``arch``, specialized as Triton's
+    launcher would (``bench/kernel_ops.py`` reads its IR)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -100,9 +101,14 @@ def compile_launch(fn, args: tuple, kwargs: dict, arch: int) -> dict:  # noqa: A
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound,
                                                           specialization, options)
-    hinted = sum(1 for v in attrs.values() if v)
     kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
                             options=options.__dict__)
+    return kernel, sum(1 for v in attrs.values() if v)
+
+
+def compile_launch(fn, args: tuple, kwargs: dict, arch: int) -> dict:  # noqa: ANN001
+    """Compile one recorded launch for sm_``arch`` as Triton's launcher would specialize it."""
+    kernel, hinted = build(fn, args, kwargs, arch)
     ok = bool(kernel.asm["cubin"]) and ".entry" in kernel.asm["ptx"]
     return {"ok": ok, "hinted": hinted, "shared": kernel.metadata.shared,
             **_resources(kernel.asm["cubin"])}
