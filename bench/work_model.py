@@ -461,6 +461,7 @@ def measure(keys: torch.Tensor, beta: torch.Tensor, kernels: list[str], k_top: i
     return rows
 
 
+@torch.no_grad()  # not set_grad_enabled(False): the caller's grad mode stays
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -476,7 +477,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                    help="the inputs' dtype: the Newton passes' stopping step (default bf16)")
     args = p.parse_args(argv)
-    torch.set_grad_enabled(False)
     tol = newton_tol(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     results = []
     for T in args.lengths:

@@ -68,9 +68,10 @@ def _blocks(device: torch.device, d: int, dv: int,
     tiles pinned for "power" (:func:`~.triton_backend.use_tiles`, ``MOSAICS_TILES``), else
     this rule, from sm_90 compiles of the launches with their divisibility hints
     (``cuobjdump --dump-resource-usage``, tests/test_fused_compile.py): bf16/fp16 at 64 x 64,
-    8 warps (64 x 32 for head sizes above 64) use 207/214/179 registers (forward, dq, dkv;
+    8 warps (64 x 32 for head sizes above 64) use 171/177/128 registers (forward, dq, dkv;
     biweight with ALiBi) and no stack; fp32 (three TF32 products per product) at 64 x 32 with
-    8 warps 0, 40 and 288 bytes of stack at head size 64 (64 x 64 with 4 warps: 848-1656)."""
+    8 warps 8, 8 and 320 bytes of stack at head size 64 (sparsemax; 64 x 64 with 4 warps:
+    848-1656)."""
     bd = pow2_at_least(d, 16)
     bdv = pow2_at_least(dv, 16)
     pinned = pinned_tiles("power")
@@ -87,6 +88,12 @@ def _ieee(dtype: torch.dtype, device: torch.device) -> bool:
     (CPU tensors), whose bf16/fp16 ``tl.dot`` is wrong (bf16 products are exact in fp32, so
     upcasting first changes only the summation order)."""
     return dtype == torch.float32 or device.type != "cuda"
+
+
+def _fold(dtype: torch.dtype) -> bool:
+    """Whether the kernels form a (c - m) - shift as one multiply-add, a c - (a m + shift):
+    for 16-bit inputs, whose weights round far more than a c does (``_u``)."""
+    return dtype in (torch.bfloat16, torch.float16)
 
 
 def _row_bounds(lo: Tensor, hi: Tensor, S: int) -> tuple[Tensor, Tensor]:
@@ -151,7 +158,7 @@ class _PowerAttention(torch.autograd.Function):
                 newton_pred(r, newton_tol(dt)), pos0, live.shape[2],
                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bdv, ANCHOR_MAX=anchor is None,
                 SOLVE=entmax, R_KIND=_r_kind(r), N_ITER=NEWTON_STEPS, IEEE=_ieee(dt, q.device),
-                HAS_BIAS=bias is not None, num_warps=warps)
+                HAS_BIAS=bias is not None, FOLD=_fold(dt), num_warps=warps)
         ctx.config = (r, anchor, entmax, pos0, bias is not None, (bm, bn, bd, bdv, warps), dt,
                       q.dtype, k.dtype, v.dtype, a.dtype, None if bias is None else bias.dtype)
         if RECORD is not None:
@@ -185,7 +192,7 @@ class _PowerAttention(torch.autograd.Function):
                       vf.stride(1), g.stride(0), g.stride(1), s_lo)
             consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": bd, "BLOCK_DV": bdv,
                       "R_KIND": _r_kind(r), "IEEE": _ieee(dt, qf.device), "HAS_BIAS": has_bias,
-                      "num_warps": warps}
+                      "FOLD": _fold(dt), "num_warps": warps}
             mod._power_bwd_dq[(cdiv(n, bm), BH)](
                 qf, kf, vf, g, af, bf, lo_i, hi_i, m, shift, kappa, c, dq, rsum, rsumj, live,
                 *common, live.stride(0), H, n, S, D, DV, float(r), pos0, live.shape[2],

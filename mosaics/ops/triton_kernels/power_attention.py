@@ -90,10 +90,23 @@ def _power_m1(u, R_KIND: tl.constexpr, r):
 
 
 @triton.jit
-def _scores(q, k_ptrs, j, d_ok, S, IEEE: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) fp32 scores of the rows q against keys j (rows of k_ptrs)."""
-    k = tl.load(k_ptrs, mask=(j[:, None] < S) & d_ok[None, :], other=0.0)
-    return _dot(q, tl.trans(k), IEEE)
+def _mask(row_ok, col_ok, FULL: tl.constexpr):
+    """The load/store mask of a (rows, head columns) tile; FULL: the head fills its block, so
+    only the rows are tested (no per-element mask on an interior tile)."""
+    if FULL:
+        mask = row_ok[:, None]
+    else:
+        mask = row_ok[:, None] & col_ok[None, :]
+    return mask
+
+
+@triton.jit
+def _scores(q, k_base, sk_n, j, d_ok, S, bias, t, IEEE: tl.constexpr,
+            HAS_BIAS: tl.constexpr, FULL: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) fp32 scores of the rows q against the keys j (rows of k_base,
+    stride sk_n), with the rows' position bias (``_biased``)."""
+    k = tl.load(k_base + j[:, None] * sk_n, mask=_mask(j < S, d_ok, FULL), other=0.0)
+    return _biased(_dot(q, tl.trans(k), IEEE), bias, t, j, HAS_BIAS)
 
 
 @triton.jit
@@ -119,9 +132,11 @@ def _subset_bound(sc, cnt, a, m, r):
 
 @triton.jit
 def _biased(c, bias, t, j, HAS_BIAS: tl.constexpr):
-    """c - bias_i (t_i - j): a linear position bias (ALiBi) on the cosines."""
+    """c - bias_i (t_i - j): a linear position bias (ALiBi) on the cosines. The positions
+    are converted before the tile is formed (exact below 2^24), so the tile's distance is
+    one float subtraction, not an integer one and a conversion per score."""
     if HAS_BIAS:
-        return c - bias[:, None] * (t[:, None] - j[None, :]).to(tl.float32)
+        return c - bias[:, None] * (t.to(tl.float32)[:, None] - j.to(tl.float32)[None, :])
     return c
 
 
@@ -142,12 +157,17 @@ def _edge(j_first, j_last, lo_max, hi_min):
 
 
 @triton.jit
-def _u(c, a, m, shift, lo, hi, j, edge):
+def _u(c, a, m, shift, lo, hi, j, edge, FOLD: tl.constexpr):
     """u = [a (c - m) - shift]_+ on the visible entries (lo <= j <= hi), 0 elsewhere; a tile
-    off the edge skips the mask. (Folding m into one offset, a c - (a m + shift), saves a
-    subtraction but loses the exact c - m near the anchor: with a fixed anchor 1 and a 11, a
-    gradient near the support's edge moved by 2.4e-5 in fp32.)"""
-    u = tl.maximum(a[:, None] * (c - m[:, None]) - shift[:, None], 0.0)
+    off the edge skips the mask. FOLD (16-bit inputs): one multiply-add per score,
+    a c - (a m + shift); it rounds a c, an error of ~a |c| 2^-24, far below the 2^-9 of the
+    bf16 weights it feeds. fp32 inputs keep the exact c - m near the anchor: folded, a
+    gradient near the support's edge moved by 2.4e-5 (fixed anchor 1, a 11)."""
+    if FOLD:
+        x = a[:, None] * c - (a * m + shift)[:, None]
+    else:
+        x = a[:, None] * (c - m[:, None]) - shift[:, None]
+    u = tl.maximum(x, 0.0)
     if edge:
         vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
         u = tl.where(vis, u, 0.0)
@@ -157,11 +177,12 @@ def _u(c, a, m, shift, lo, hi, j, edge):
 @triton.jit
 def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG, LIVE, ITERS,
                sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, so_bh, so_n, s_lo_b, s_live_bh,
-               H, n, S, D, DV, r, shift_const, anchor_const, tol, pred, pos0, n_kb,
+               H, n, S, D: tl.constexpr, DV: tl.constexpr, r, shift_const, anchor_const, tol,
+               pred, pos0, n_kb,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, ANCHOR_MAX: tl.constexpr, SOLVE: tl.constexpr,
                R_KIND: tl.constexpr, N_ITER: tl.constexpr, IEEE: tl.constexpr,
-               HAS_BIAS: tl.constexpr):
+               HAS_BIAS: tl.constexpr, FOLD: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the last rows (most keys) first
     bh = tl.program_id(1).to(tl.int64)
     batch = bh // H
@@ -174,7 +195,7 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG, LIVE, ITERS,
     cols = tl.arange(0, BLOCK_N)
 
     q = tl.load(Q + bh * sq_bh + rows[:, None] * sq_n + dd[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                mask=_mask(row_ok, d_ok, D == BLOCK_D), other=0.0)
     lo, hi = _row_bounds(LO, HI, batch * s_lo_b + rows, row_ok, S)
     a = tl.load(A + bh * n + rows, mask=row_ok, other=0.0)
     bias = tl.load(BIAS + bh * n + rows, mask=row_ok, other=0.0)  # read if HAS_BIAS
@@ -201,8 +222,8 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG, LIVE, ITERS,
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         for j0 in range(start, end, BLOCK_N):
             j = j0 + cols
-            c = _biased(_scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE), bias, t, j,
-                        HAS_BIAS)
+            c = _scores(q, k_base, sk_n, j, d_ok, S, bias, t, IEEE, HAS_BIAS,
+                        D == BLOCK_D)
             if _edge(j0, j0 + BLOCK_N - 1, lo_max, hi_min):
                 vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
                 c = tl.where(vis, c, float("-inf"))
@@ -251,17 +272,17 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG, LIVE, ITERS,
                 flag = live_row + j0 // BLOCK_N
                 if tl.load(flag) != 0:
                     j = j0 + cols
-                    c = _biased(_scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE), bias,
-                                t, j, HAS_BIAS)
+                    c = _scores(q, k_base, sk_n, j, d_ok, S, bias, t, IEEE, HAS_BIAS,
+                                D == BLOCK_D)
                     edge = _edge(j0, j0 + BLOCK_N - 1, lo_max, hi_min)
-                    d = _u(c, a, m, tau, lo, hi, j, edge)
+                    d = _u(c, a, m, tau, lo, hi, j, edge, FOLD)
                     if _any_positive(d):
                         p = _power(d, R_KIND, r)
                         f2 += p
                         s2 += _power_m1(d, R_KIND, r)
                         if spec:
                             v = tl.load(v_base + j[:, None] * sv_n,
-                                        mask=(j[:, None] < S) & dv_ok[None, :], other=0.0)
+                                        mask=_mask(j < S, dv_ok, DV == BLOCK_DV), other=0.0)
                             acc += _dot(p.to(v.dtype), v, IEEE)
                     else:  # dead at this tau, so at every later one
                         tl.store(flag, 0)
@@ -287,21 +308,21 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG, LIVE, ITERS,
             flag = live_row + j0 // BLOCK_N
             if tl.load(flag) != 0:
                 j = j0 + cols
-                c = _biased(_scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE), bias, t,
-                            j, HAS_BIAS)
+                c = _scores(q, k_base, sk_n, j, d_ok, S, bias, t, IEEE, HAS_BIAS,
+                            D == BLOCK_D)
                 edge = _edge(j0, j0 + BLOCK_N - 1, lo_max, hi_min)
-                u = _u(c, a, m, shift, lo, hi, j, edge)
+                u = _u(c, a, m, shift, lo, hi, j, edge, FOLD)
                 if _any_positive(u):
                     p = _power(u, R_KIND, r)
                     total += tl.sum(p, axis=1)
                     v = tl.load(v_base + j[:, None] * sv_n,
-                                mask=(j[:, None] < S) & dv_ok[None, :], other=0.0)
+                                mask=_mask(j < S, dv_ok, DV == BLOCK_DV), other=0.0)
                     acc += _dot(p.to(v.dtype), v, IEEE)
                 else:
                     tl.store(flag, 0)
     inv = tl.where(total > 0, 1.0 / tl.maximum(total, 1e-38), 0.0)
     tl.store(OUT + bh * so_bh + rows[:, None] * so_n + dv[None, :], acc * inv[:, None],
-             mask=row_ok[:, None] & dv_ok[None, :])
+             mask=_mask(row_ok, dv_ok, DV == BLOCK_DV))
     stat = bh * n + rows
     tl.store(M + stat, m, mask=row_ok)
     tl.store(SHIFT + stat, shift, mask=row_ok)
@@ -325,10 +346,10 @@ def _row_stats(A, M, SHIFT, KAPPA, BIAS, stat, row_ok):
 @triton.jit
 def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSUMJ, LIVE,
                   sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, sg_bh, sg_n, s_lo_b, s_live_bh,
-                  H, n, S, D, DV, r, pos0, n_kb,
+                  H, n, S, D: tl.constexpr, DV: tl.constexpr, r, pos0, n_kb,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, SOLVE: tl.constexpr, R_KIND: tl.constexpr,
-                  IEEE: tl.constexpr, HAS_BIAS: tl.constexpr):
+                  IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, FOLD: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the last rows (most keys) first
     bh = tl.program_id(1).to(tl.int64)
     batch = bh // H
@@ -341,9 +362,9 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
     cols = tl.arange(0, BLOCK_N)
 
     q = tl.load(Q + bh * sq_bh + rows[:, None] * sq_n + dd[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                mask=_mask(row_ok, d_ok, D == BLOCK_D), other=0.0)
     g = tl.load(G + bh * sg_bh + rows[:, None] * sg_n + dv[None, :],
-                mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+                mask=_mask(row_ok, dv_ok, DV == BLOCK_DV), other=0.0)
     lo, hi = _row_bounds(LO, HI, batch * s_lo_b + rows, row_ok, S)
     stat = bh * n + rows
     a, m, shift, kappa, bias = _row_stats(A, M, SHIFT, KAPPA, BIAS, stat, row_ok)
@@ -362,12 +383,12 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
         for j0 in range(start, end, BLOCK_N):
             if tl.load(live_row + j0 // BLOCK_N) != 0:
                 j = j0 + cols
-                cs = _biased(_scores(q, k_base + j[:, None] * sk_n, j, d_ok, S, IEEE), bias, t,
-                             j, HAS_BIAS)
+                cs = _scores(q, k_base, sk_n, j, d_ok, S, bias, t, IEEE, HAS_BIAS,
+                             D == BLOCK_D)
                 edge = _edge(j0, j0 + BLOCK_N - 1, lo_max, hi_min)
-                u = _u(cs, a, m, shift, lo, hi, j, edge)
+                u = _u(cs, a, m, shift, lo, hi, j, edge, FOLD)
                 h = _power_m1(u, R_KIND, r)
-                v = tl.load(v_base + j[:, None] * sv_n, mask=(j[:, None] < S) & dv_ok[None, :],
+                v = tl.load(v_base + j[:, None] * sv_n, mask=_mask(j < S, dv_ok, DV == BLOCK_DV),
                             other=0.0)
                 dp = _dot(g, tl.trans(v), IEEE)
                 num += tl.sum(h * dp, axis=1)
@@ -383,13 +404,13 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
     for j0 in range(start, end, BLOCK_N):
         if tl.load(live_row + j0 // BLOCK_N) != 0:
             j = j0 + cols
-            k = tl.load(k_base + j[:, None] * sk_n, mask=(j[:, None] < S) & d_ok[None, :],
+            k = tl.load(k_base + j[:, None] * sk_n, mask=_mask(j < S, d_ok, D == BLOCK_D),
                         other=0.0)
             cs = _biased(_dot(q, tl.trans(k), IEEE), bias, t, j, HAS_BIAS)
             edge = _edge(j0, j0 + BLOCK_N - 1, lo_max, hi_min)
-            u = _u(cs, a, m, shift, lo, hi, j, edge)
+            u = _u(cs, a, m, shift, lo, hi, j, edge, FOLD)
             h = _power_m1(u, R_KIND, r)
-            v = tl.load(v_base + j[:, None] * sv_n, mask=(j[:, None] < S) & dv_ok[None, :],
+            v = tl.load(v_base + j[:, None] * sv_n, mask=_mask(j < S, dv_ok, DV == BLOCK_DV),
                         other=0.0)
             dp = _dot(g, tl.trans(v), IEEE)
             dx = kappa[:, None] * h * (dp - cc[:, None])
@@ -398,7 +419,7 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
                 rsumj += tl.sum(dx * j[None, :].to(tl.float32), axis=1)
             dq += _dot(dx.to(k.dtype), k, IEEE)
     tl.store(DQ + bh * n * BLOCK_D + rows[:, None] * BLOCK_D + dd[None, :], dq,
-             mask=row_ok[:, None] & d_ok[None, :])
+             mask=_mask(row_ok, d_ok, D == BLOCK_D))
     tl.store(RSUM + stat, rsum, mask=row_ok)
     if HAS_BIAS:
         tl.store(RSUMJ + stat, rsumj, mask=row_ok)
@@ -408,10 +429,10 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
 def _power_bwd_dkv(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, INV, QB_FIRST, QB_LAST, DK,
                    DV_OUT, LIVE, sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, sg_bh, sg_n, s_lo_b,
                    s_qb_b, s_live_bh,
-                   H, n, S, D, DV, r, n_kb, pos0,
+                   H, n, S, D: tl.constexpr, DV: tl.constexpr, r, n_kb, pos0,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, R_KIND: tl.constexpr, IEEE: tl.constexpr,
-                   HAS_BIAS: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, FOLD: tl.constexpr):
     pid_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     batch = bh // H
@@ -422,9 +443,9 @@ def _power_bwd_dkv(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, INV, QB_FIRS
     dv = tl.arange(0, BLOCK_DV)
     dv_ok = dv < DV
     k = tl.load(K + bh * sk_bh + j[:, None] * sk_n + dd[None, :],
-                mask=j_ok[:, None] & d_ok[None, :], other=0.0)
+                mask=_mask(j_ok, d_ok, D == BLOCK_D), other=0.0)
     v = tl.load(V + bh * sv_bh + j[:, None] * sv_n + dv[None, :],
-                mask=j_ok[:, None] & dv_ok[None, :], other=0.0)
+                mask=_mask(j_ok, dv_ok, DV == BLOCK_DV), other=0.0)
     first = tl.load(QB_FIRST + batch * s_qb_b + pid_n)
     last = tl.load(QB_LAST + batch * s_qb_b + pid_n)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
@@ -435,9 +456,9 @@ def _power_bwd_dkv(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, INV, QB_FIRS
             row_ok = rows < n
             lo, hi = _row_bounds(LO, HI, batch * s_lo_b + rows, row_ok, S)
             q = tl.load(Q + bh * sq_bh + rows[:, None] * sq_n + dd[None, :],
-                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                        mask=_mask(row_ok, d_ok, D == BLOCK_D), other=0.0)
             g = tl.load(G + bh * sg_bh + rows[:, None] * sg_n + dv[None, :],
-                        mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+                        mask=_mask(row_ok, dv_ok, DV == BLOCK_DV), other=0.0)
             stat = bh * n + rows
             a, m, shift, kappa, bias = _row_stats(A, M, SHIFT, KAPPA, BIAS, stat, row_ok)
             cc = tl.load(C + stat, mask=row_ok, other=0.0)
@@ -446,13 +467,13 @@ def _power_bwd_dkv(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, INV, QB_FIRS
             # hi <= S - 1: columns past the keys are not seen (their tile is an edge)
             edge = _edge(pid_n * BLOCK_N, pid_n * BLOCK_N + BLOCK_N - 1, tl.max(lo, axis=0),
                          tl.min(hi, axis=0))
-            u = _u(cs, a, m, shift, lo, hi, j, edge)
+            u = _u(cs, a, m, shift, lo, hi, j, edge, FOLD)
             p = _power(u, R_KIND, r) * inv[:, None]
             dvv += _dot(tl.trans(p).to(g.dtype), g, IEEE)
             dp = _dot(g, tl.trans(v), IEEE)
             dx = (a * kappa)[:, None] * _power_m1(u, R_KIND, r) * (dp - cc[:, None])
             dk += _dot(tl.trans(dx).to(q.dtype), q, IEEE)
     tl.store(DK + bh * S * BLOCK_D + j[:, None] * BLOCK_D + dd[None, :], dk,
-             mask=j_ok[:, None] & d_ok[None, :])
+             mask=_mask(j_ok, d_ok, D == BLOCK_D))
     tl.store(DV_OUT + bh * S * BLOCK_DV + j[:, None] * BLOCK_DV + dv[None, :], dvv,
-             mask=j_ok[:, None] & dv_ok[None, :])
+             mask=_mask(j_ok, dv_ok, DV == BLOCK_DV))
