@@ -117,7 +117,7 @@ def count(arch: int = 90) -> list[dict]:
     rows = []
     for label, dtype, solve, anchor_max, r_kind, bias in CASES:
         bm, bn, _, _, warps = _blocks(torch.device("cuda"), 64, 64,
-                                      getattr(torch, fc.DTYPES[dtype]))
+                                      getattr(torch, fc.DTYPES[dtype]), arch)
         cuda = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "IEEE": dtype == "fp32"}
         for fn, args, kwargs in fc.record_power_launches(dtype, solve, anchor_max, r_kind, bias):
             kernel, _ = fc.build(fn, args, kwargs | cuda, arch)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,7 +111,12 @@ def compile_launch(fn, args: tuple, kwargs: dict, arch: int) -> dict:  # noqa: A
     """Compile one recorded launch for sm_``arch`` as Triton's launcher would specialize it."""
     kernel, hinted = build(fn, args, kwargs, arch)
     ok = bool(kernel.asm["cubin"]) and ".entry" in kernel.asm["ptx"]
+    # the warps of the score tile's tensor-core layout along (rows, keys): 1 along the keys
+    # keeps each row inside one warp (its sums and maxima need no shared memory)
+    mma = re.search(r"nvidia_mma<\{.*warpsPerCTA = \[(\d+), (\d+)\]", kernel.asm["ttgir"])
     return {"ok": ok, "hinted": hinted, "shared": kernel.metadata.shared,
+            "mma_warps": [int(mma.group(1)), int(mma.group(2))] if mma else None,
+            "barriers": len(re.findall(r"\bbar\.sync\b", kernel.asm["ptx"])),
             **_resources(kernel.asm["cubin"])}
 
 
@@ -124,7 +130,7 @@ def compile_all() -> dict[str, dict]:
     done = {}
     for dtype, solve, anchor_max, r_kind, bias, arch in POWER_CASES:
         bm, bn, _, _, warps = _blocks(torch.device("cuda"), 64, 64,
-                                      getattr(torch, DTYPES[dtype]))
+                                      getattr(torch, DTYPES[dtype]), arch)
         cuda = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "IEEE": dtype == "fp32"}
         case = f"{dtype}-solve{int(solve)}-max{int(anchor_max)}-r{r_kind}-bias{int(bias)}-sm{arch}"
         names = {"_power_fwd": "fwd", "_power_bwd_dq": "dq", "_power_bwd_dkv": "dkv"}
@@ -149,6 +155,10 @@ def test_power_kernels_compile_for_cuda():
     spills = {k: r["stack"] for k, r in done.items()
               if "sm90" in k and not k.split()[1].startswith("fp32") and r["stack"]}
     assert not spills, spills
+    # on sm_90 every row of the forward's and dq's score tiles stays inside one warp
+    split = {k: r["mma_warps"] for k, r in done.items()
+             if "sm90" in k and not k.startswith("dkv") and r["mma_warps"][1] != 1}
+    assert not split, split
 
 
 if __name__ == "__main__":

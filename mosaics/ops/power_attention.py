@@ -62,16 +62,23 @@ def _r_kind(r: float) -> int:
     return int(r) if r in (1.0, 2.0, 3.0) else 0
 
 
-def _blocks(device: torch.device, d: int, dv: int,
-            dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, num_warps) for head size d, value size dv: the
-    tiles pinned for "power" (:func:`~.triton_backend.use_tiles`, ``MOSAICS_TILES``), else
-    this rule, from sm_90 compiles of the launches with their divisibility hints
-    (``cuobjdump --dump-resource-usage``, tests/test_fused_compile.py): bf16/fp16 at 64 x 64,
-    8 warps (64 x 32 for head sizes above 64) use 171/177/128 registers (forward, dq, dkv;
-    biweight with ALiBi) and no stack; fp32 (three TF32 products per product) at 64 x 32 with
-    8 warps 8, 8 and 320 bytes of stack at head size 64 (sparsemax; 64 x 64 with 4 warps:
-    848-1656)."""
+def _blocks(device: torch.device, d: int, dv: int, dtype: torch.dtype,
+            arch: int | None = None) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, num_warps) for head size d, value size dv on a
+    GPU of compute capability ``arch`` (e.g. 90; default: the device's): the tiles pinned for
+    "power" (:func:`~.triton_backend.use_tiles`, ``MOSAICS_TILES``), else this rule, from
+    compiles of the launches with their divisibility hints (tests/test_fused_compile.py;
+    docs/notes/2026-12-07-work-model.md, "Rows inside one warp"):
+
+    - sm_90 and later: 128 rows, 8 warps (64 keys for bf16/fp16 up to head size 64, else
+      32). Each warp then holds whole rows of the score tile (wgmma layout warpsPerCTA
+      [8, 1]), so a row's sums and maxima need no shared memory: 38 / 22 / 13 barriers in
+      the forward / dq / dkv against 64 / 33 / 21 at 64 x 64 (whose [4, 2] layout splits each
+      row over two warpgroups), no stack for bf16 (228 / 229 / 191 registers, biweight with
+      ALiBi), and less for fp32 (0 / 0 / 216 bytes, against 8 / 8 / 320 at 64 x 32). The
+      Newton passes grow by 0-3% (a block stops with its slowest row).
+    - sm_80: 64 x 64 with 8 warps for bf16/fp16 up to head size 64, else 64 x 32 (the
+      128-row tiles split rows there too, and spill more at head size 128)."""
     bd = pow2_at_least(d, 16)
     bdv = pow2_at_least(dv, 16)
     pinned = pinned_tiles("power")
@@ -79,8 +86,11 @@ def _blocks(device: torch.device, d: int, dv: int,
         return pinned["BLOCK_M"], pinned["BLOCK_N"], bd, bdv, pinned["num_warps"]
     if device.type != "cuda":
         return 32, 32, bd, bdv, 1  # the interpreter: fewer, larger numpy operations
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability(device)
+        arch = 10 * major + minor
     wide = dtype == torch.float32 or max(bd, bdv) > 64
-    return 64, 32 if wide else 64, bd, bdv, 8
+    return 128 if arch >= 90 else 64, 32 if wide else 64, bd, bdv, 8
 
 
 def _ieee(dtype: torch.dtype, device: torch.device) -> bool:
