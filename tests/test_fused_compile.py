@@ -107,6 +107,28 @@ def build(fn, args: tuple, kwargs: dict, arch: int):  # noqa: ANN001, ANN201
     return kernel, sum(1 for v in attrs.values() if v)
 
 
+def unpipelined_loops(ttgir: str) -> list[str]:
+    """The loops of Triton GPU IR that multiply tiles (a dot in their body) but prefetch
+    nothing (no asynchronous copy in their body): loads the compiler left synchronous, as it
+    does for loads inside a branch."""
+    lines = ttgir.splitlines()
+    bad = []
+    for i, line in enumerate(lines):
+        if "scf.for" not in line:
+            continue
+        indent = len(line) - len(line.lstrip())
+        body = []
+        for nxt in lines[i + 1:]:
+            if nxt.strip().startswith("}") and len(nxt) - len(nxt.lstrip()) == indent:
+                break
+            body.append(nxt)
+        text = "\n".join(body)
+        if re.search(r"\b(tt\.dot|ttng\.warp_group_dot)\b", text) and \
+                "async_copy_global_to_local" not in text:
+            bad.append(line.strip()[:60])
+    return bad
+
+
 def compile_launch(fn, args: tuple, kwargs: dict, arch: int) -> dict:  # noqa: ANN001
     """Compile one recorded launch for sm_``arch`` as Triton's launcher would specialize it."""
     kernel, hinted = build(fn, args, kwargs, arch)
@@ -117,6 +139,7 @@ def compile_launch(fn, args: tuple, kwargs: dict, arch: int) -> dict:  # noqa: A
     return {"ok": ok, "hinted": hinted, "shared": kernel.metadata.shared,
             "mma_warps": [int(mma.group(1)), int(mma.group(2))] if mma else None,
             "barriers": len(re.findall(r"\bbar\.sync\b", kernel.asm["ptx"])),
+            "unpipelined": unpipelined_loops(kernel.asm["ttgir"]),
             **_resources(kernel.asm["cubin"])}
 
 
@@ -159,6 +182,10 @@ def test_power_kernels_compile_for_cuda():
     split = {k: r["mma_warps"] for k, r in done.items()
              if "sm90" in k and not k.startswith("dkv") and r["mma_warps"][1] != 1}
     assert not split, split
+    # every key-tile loop (the max, Newton and output passes, dq's two, dkv's) prefetches its
+    # loads: it walks a list of live blocks instead of branching on a flag around them
+    serial = {k: r["unpipelined"] for k, r in done.items() if r["unpipelined"]}
+    assert not serial, serial
 
 
 if __name__ == "__main__":

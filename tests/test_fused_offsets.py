@@ -20,7 +20,7 @@ import sys
 import pytest
 
 TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64",
-         "int8": "i8", "int32": "i32", "int64": "i64", "bool": "i1"}
+         "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64", "bool": "i1"}
 ADDPTR = re.compile(r"tt\.addptr (%[\w#:]+), %[\w#:]+ : .*, (tensor<[^<>]*>|i\d+) loc\(")
 
 

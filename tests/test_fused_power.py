@@ -155,6 +155,34 @@ def test_intervals_per_batch_row_and_per_row_scales(form):
     assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("form", ["sparsemax", "entmax15", "relumax"])
+def test_dead_tiles_are_skipped_with_the_reference_values(form, monkeypatch):
+    """Two clusters of keys (positions < 48, the rest) at a sharp bandwidth: the later rows
+    give the first cluster no weight, whole tiles die, and the passes and both backward
+    kernels walk only the live ones (their lists); values and gradients stay the
+    reference's."""
+    g = torch.Generator().manual_seed(0)
+    centers = unit(torch.randn(2, 16, generator=g, dtype=torch.float64))
+    keys = unit(centers[(torch.arange(97) >= 48).long()]
+                + 0.05 * torch.randn(97, 16, generator=g, dtype=torch.float64))
+    q, k = keys[1:].view(1, 1, 96, 16), keys[:-1].view(1, 1, 96, 16)
+    v = torch.randn(1, 1, 96, 16, generator=g, dtype=torch.float64)
+    monkeypatch.setattr(power_attention_module(), "RECORD", [])
+    got, want = run_both(form, q, k, v, torch.tensor([60.0], dtype=torch.float64),
+                         *past(96, offset=0))
+    (rec,) = power_attention_module().RECORD
+    live = rec["live"][0]  # (row blocks, key blocks) of 32 under the interpreter
+    causal = torch.arange(3).view(1, 3) <= torch.arange(3).view(3, 1)
+    assert not bool(live[causal].all()), live  # some tile inside the causal range died
+    assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def power_attention_module():  # noqa: ANN201
+    import sys
+
+    return sys.modules["mosaics.ops.power_attention"]
+
+
 @pytest.mark.parametrize("form", ["sparsemax", "entmax15", "relumax", "fixed"])
 def test_alibi_bias_and_its_gradient(form):
     """Scores beta cos - m_h (t_i - j), t_i = i + pos0 (queries 1..T-1 of a sequence)."""

@@ -74,9 +74,10 @@ def _blocks(device: torch.device, d: int, dv: int, dtype: torch.dtype,
       32). Each warp then holds whole rows of the score tile (wgmma layout warpsPerCTA
       [8, 1]), so a row's sums and maxima need no shared memory: 38 / 22 / 13 barriers in
       the forward / dq / dkv against 64 / 33 / 21 at 64 x 64 (whose [4, 2] layout splits each
-      row over two warpgroups), no stack for bf16 (228 / 229 / 191 registers, biweight with
-      ALiBi), and less for fp32 (0 / 0 / 216 bytes, against 8 / 8 / 320 at 64 x 32). The
-      Newton passes grow by 0-3% (a block stops with its slowest row).
+      row over two warpgroups; counted before the loops walked lists), no stack for bf16
+      (238 / 211 / 231 registers, biweight with ALiBi, with prefetched loads), and less for
+      fp32 (0 / 0 / 304 bytes). The Newton passes grow by 0-3% (a block stops with its
+      slowest row).
     - sm_80: 64 x 64 with 8 warps for bf16/fp16 up to head size 64, else 64 x 32 (the
       128-row tiles split rows there too, and spill more at head size 128)."""
     bd = pow2_at_least(d, 16)
@@ -113,10 +114,9 @@ def _row_bounds(lo: Tensor, hi: Tensor, S: int) -> tuple[Tensor, Tensor]:
             hi.clamp(-1, S).to(torch.int32).contiguous())
 
 
-def _query_blocks(lo: Tensor, hi: Tensor, S: int, block_m: int, block_n: int) -> tuple[Tensor,
-                                                                                     Tensor]:
-    """(B or 1, key blocks) first and last query block whose rows may see each key block
-    (last < first: none), from the union of each query block's visible columns."""
+def _sees(lo: Tensor, hi: Tensor, S: int, block_m: int, block_n: int) -> Tensor:
+    """(B or 1, query blocks, key blocks): whether some row of the query block may see some
+    key of the key block (the union of the rows' visible columns; the forward's tiles)."""
     nb_q = -(-lo.shape[1] // block_m)
     nb_k = max(1, -(-S // block_n))
     pad = nb_q * block_m - lo.shape[1]
@@ -128,11 +128,24 @@ def _query_blocks(lo: Tensor, hi: Tensor, S: int, block_m: int, block_n: int) ->
     q_lo = lo_b.view(lo.shape[0], nb_q, block_m).amin(-1)  # (B, nb_q) first visible column
     q_hi = hi_b.view(lo.shape[0], nb_q, block_m).amax(-1)
     k0 = torch.arange(nb_k, device=lo.device) * block_n
-    sees = (q_lo.unsqueeze(-1) <= (k0 + block_n - 1)) & (q_hi.unsqueeze(-1) >= k0)  # (B, q, k)
-    idx = torch.arange(nb_q, device=lo.device).view(1, nb_q, 1)
-    first = torch.where(sees, idx, nb_q).amin(1)
-    last = torch.where(sees, idx, -1).amax(1)
-    return first.to(torch.int32).contiguous(), last.to(torch.int32).contiguous()
+    return (q_lo.unsqueeze(-1) <= (k0 + block_n - 1)) & (q_hi.unsqueeze(-1) >= k0)
+
+
+def _live_lists(live: Tensor, sees: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The forward's live tiles (``live``, (B H, query blocks, key blocks), inside ``sees``,
+    (B or 1, ...)) as lists the backward kernels walk: per query block its key blocks, per key
+    block its query blocks, each ascending and padded, with their lengths. A loop over a list
+    has its loads prefetched by the compiler; a branch on a flag around them does not."""
+    BH, nb_q, nb_k = live.shape
+    on = (live.view(sees.shape[0], -1, nb_q, nb_k) != 0) & sees.unsqueeze(1)
+    on = on.reshape(BH, nb_q, nb_k).to(torch.int8)
+    dtype = torch.int16 if max(nb_q, nb_k) < 2**15 else torch.int32
+
+    def lists(flags: Tensor) -> tuple[Tensor, Tensor]:
+        order = torch.sort(flags, dim=-1, descending=True, stable=True).indices
+        return order.to(dtype).contiguous(), flags.sum(-1, dtype=torch.int32).contiguous()
+
+    return (*lists(on), *lists(on.transpose(1, 2)))
 
 
 class _PowerAttention(torch.autograd.Function):
@@ -156,13 +169,16 @@ class _PowerAttention(torch.autograd.Function):
         live = torch.ones(B * H, cdiv(n, bm), max(1, cdiv(S, bn)), dtype=torch.int8,
                           device=q.device)
         iters = torch.zeros(B * H, cdiv(n, bm), dtype=torch.int32, device=q.device)
+        # the passes' lists of live key blocks (two per row block; the kernel's own scratch)
+        lists = torch.empty(*live.shape[:2], 2, live.shape[2], device=q.device,
+                            dtype=torch.int16 if live.shape[2] < 2**15 else torch.int32)
         if n and S:
             mod = triton_module(KERNELS)
             mod._power_fwd[(cdiv(n, bm), B * H)](
                 qf, kf, vf, af, bf, lo_i, hi_i, out, stats[0], stats[1], stats[2], arg, live,
-                iters, qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0),
-                vf.stride(1), out.stride(0), out.stride(1),
-                lo_i.stride(0) if lo_i.shape[0] > 1 else 0, live.stride(0),
+                lists, iters, qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1),
+                vf.stride(0), vf.stride(1), out.stride(0), out.stride(1),
+                lo_i.stride(0) if lo_i.shape[0] > 1 else 0, live.stride(0), lists.stride(0),
                 H, n, S, D, DV, float(r), float(-1.0 if shift is None else shift),
                 float(0.0 if anchor is None else anchor), newton_tol(dt),
                 newton_pred(r, newton_tol(dt)), pos0, live.shape[2],
@@ -203,15 +219,16 @@ class _PowerAttention(torch.autograd.Function):
             consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": bd, "BLOCK_DV": bdv,
                       "R_KIND": _r_kind(r), "IEEE": _ieee(dt, qf.device), "HAS_BIAS": has_bias,
                       "FOLD": _fold(dt), "num_warps": warps}
+            row_list, row_count, col_list, col_count = _live_lists(
+                live, _sees(lo_i, hi_i, S, bm, bn))
             mod._power_bwd_dq[(cdiv(n, bm), BH)](
-                qf, kf, vf, g, af, bf, lo_i, hi_i, m, shift, kappa, c, dq, rsum, rsumj, live,
-                *common, live.stride(0), H, n, S, D, DV, float(r), pos0, live.shape[2],
-                SOLVE=entmax, **consts)
-            first, last = _query_blocks(lo_i, hi_i, S, bm, bn)
+                qf, kf, vf, g, af, bf, lo_i, hi_i, m, shift, kappa, c, dq, rsum, rsumj, row_list,
+                row_count, *common, row_list.stride(0), H, n, S, D, DV, float(r), pos0,
+                live.shape[2], SOLVE=entmax, **consts)
             mod._power_bwd_dkv[(cdiv(S, bn), BH)](
-                qf, kf, vf, g, af, bf, lo_i, hi_i, m, shift, kappa, c, inv, first, last, dk, dv,
-                live, *common, first.stride(0) if first.shape[0] > 1 else 0, live.stride(0),
-                H, n, S, D, DV, float(r), first.shape[1], pos0, **consts)
+                qf, kf, vf, g, af, bf, lo_i, hi_i, m, shift, kappa, c, inv, dk, dv, col_list,
+                col_count, *common, col_list.stride(0), H, n, S, D, DV, float(r), live.shape[1],
+                pos0, **consts)
         dq, dk, dv = dq[..., :D], dk[..., :D], dv[..., :DV]
         qd = qf.float()
         # with x_ij = a_i (c'_ij - m_i), c' = c - bias_i (t_i - j): sum_j dx_ij c'_ij =

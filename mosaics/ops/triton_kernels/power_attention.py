@@ -24,7 +24,11 @@ block does not fully see: the diagonal, an interval's first keys) tests visibili
 Live tiles: ``LIVE`` holds one flag per (row block, key block), 1 on entry. A tile where
 every u is 0 at a pass's tau is cleared, and since tau only rises it stays dead: later
 passes, the output pass and both backward kernels skip its QK^T, not only its value and
-gradient products (AdaSplash's block mask).
+gradient products (AdaSplash's block mask). The loops walk the live tiles as lists of block
+indices (the forward's in ``LIST``, two buffers per row block, each Newton pass writing the
+blocks it finds live for the next; the backward's built from ``LIVE`` by the caller), not
+over every block with a branch on its flag: the compiler prefetches the loads of a loop over
+a list (software pipelining), never those inside a branch.
 
 Backward (dx = kappa h (dp - c), h = u^(r-1), dp_ij = g_i . v_j):
 - ``_power_bwd_dq``, per block of query rows: (SOLVE) c_i = sum h dp / sum h in a first pass,
@@ -175,8 +179,8 @@ def _u(c, a, m, shift, lo, hi, j, edge, FOLD: tl.constexpr):
 
 
 @triton.jit
-def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG, LIVE, ITERS,
-               sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, so_bh, so_n, s_lo_b, s_live_bh,
+def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG, LIVE, LIST, ITERS,
+               sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, so_bh, so_n, s_lo_b, s_live_bh, s_list_bh,
                H, n, S, D: tl.constexpr, DV: tl.constexpr, r, shift_const, anchor_const, tol,
                pred, pos0, n_kb,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -206,6 +210,17 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG, LIVE, ITERS,
     hi_min = tl.min(hi, axis=0)
     k_base = K + bh * sk_bh + dd[None, :]
     live_row = LIVE + bh * s_live_bh + pid_m * n_kb  # this row block's tile flags
+    # the live key blocks as a list the passes walk: a loop over a list has its loads
+    # prefetched by the compiler, one with a branch around them does not. Two buffers: a
+    # pass reads one and writes the blocks it finds live into the other.
+    list_a = LIST + bh * s_list_bh + pid_m * (2 * n_kb)
+    n_list = tl.maximum((end - start + BLOCK_N - 1) // BLOCK_N, 0)
+    for i0 in range(0, n_list, BLOCK_N):
+        idx = i0 + cols
+        tl.store(list_a + idx, (start // BLOCK_N + idx).to(LIST.dtype.element_ty),
+                 mask=idx < n_list)
+    tl.debug_barrier()
+    cur = 0  # the buffer holding the current list
 
     # the anchor m: the row max of the visible scores, or a constant; with SOLVE the subset
     # sums of the lower bounds tau_A (delta 1, 1/2, 1/4)
@@ -268,24 +283,32 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG, LIVE, ITERS,
             f2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             s2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-            for j0 in range(start, end, BLOCK_N):
-                flag = live_row + j0 // BLOCK_N
-                if tl.load(flag) != 0:
-                    j = j0 + cols
-                    c = _scores(q, k_base, sk_n, j, d_ok, S, bias, t, IEEE, HAS_BIAS,
-                                D == BLOCK_D)
-                    edge = _edge(j0, j0 + BLOCK_N - 1, lo_max, hi_min)
-                    d = _u(c, a, m, tau, lo, hi, j, edge, FOLD)
-                    if _any_positive(d):
-                        p = _power(d, R_KIND, r)
-                        f2 += p
-                        s2 += _power_m1(d, R_KIND, r)
-                        if spec:
-                            v = tl.load(v_base + j[:, None] * sv_n,
-                                        mask=_mask(j < S, dv_ok, DV == BLOCK_DV), other=0.0)
-                            acc += _dot(p.to(v.dtype), v, IEEE)
-                    else:  # dead at this tau, so at every later one
-                        tl.store(flag, 0)
+            src = list_a + cur * n_kb
+            dst = list_a + (1 - cur) * n_kb
+            kept = 0
+            for ti in range(0, n_list):
+                kb = tl.load(src + ti).to(tl.int32)
+                j = kb * BLOCK_N + cols
+                c = _scores(q, k_base, sk_n, j, d_ok, S, bias, t, IEEE, HAS_BIAS,
+                            D == BLOCK_D)
+                edge = _edge(kb * BLOCK_N, kb * BLOCK_N + BLOCK_N - 1, lo_max, hi_min)
+                d = _u(c, a, m, tau, lo, hi, j, edge, FOLD)
+                alive = _any_positive(d)
+                tl.store(dst + kept, kb.to(LIST.dtype.element_ty))  # kept only if alive
+                kept += alive.to(tl.int32)
+                if alive:
+                    p = _power(d, R_KIND, r)
+                    f2 += p
+                    s2 += _power_m1(d, R_KIND, r)
+                    if spec:
+                        v = tl.load(v_base + j[:, None] * sv_n,
+                                    mask=_mask(j < S, dv_ok, DV == BLOCK_DV), other=0.0)
+                        acc += _dot(p.to(v.dtype), v, IEEE)
+                else:  # dead at this tau, so at every later one
+                    tl.store(live_row + kb, 0)
+            n_list = kept
+            cur = 1 - cur
+            tl.debug_barrier()  # the next pass reads what this one wrote
             f = tl.sum(f2, axis=1)
             s = tl.sum(s2, axis=1)
             # g(tau) = f^(1/r) - 1; Newton: tau += (f - f^(1 - 1/r)) / s
@@ -304,22 +327,20 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG, LIVE, ITERS,
     if fused == 0:
         acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
         total = tl.zeros((BLOCK_M,), tl.float32)
-        for j0 in range(start, end, BLOCK_N):
-            flag = live_row + j0 // BLOCK_N
-            if tl.load(flag) != 0:
-                j = j0 + cols
-                c = _scores(q, k_base, sk_n, j, d_ok, S, bias, t, IEEE, HAS_BIAS,
-                            D == BLOCK_D)
-                edge = _edge(j0, j0 + BLOCK_N - 1, lo_max, hi_min)
-                u = _u(c, a, m, shift, lo, hi, j, edge, FOLD)
-                if _any_positive(u):
-                    p = _power(u, R_KIND, r)
-                    total += tl.sum(p, axis=1)
-                    v = tl.load(v_base + j[:, None] * sv_n,
-                                mask=_mask(j < S, dv_ok, DV == BLOCK_DV), other=0.0)
-                    acc += _dot(p.to(v.dtype), v, IEEE)
-                else:
-                    tl.store(flag, 0)
+        src = list_a + cur * n_kb
+        for ti in range(0, n_list):
+            kb = tl.load(src + ti).to(tl.int32)
+            j = kb * BLOCK_N + cols
+            c = _scores(q, k_base, sk_n, j, d_ok, S, bias, t, IEEE, HAS_BIAS, D == BLOCK_D)
+            edge = _edge(kb * BLOCK_N, kb * BLOCK_N + BLOCK_N - 1, lo_max, hi_min)
+            u = _u(c, a, m, shift, lo, hi, j, edge, FOLD)
+            v = tl.load(v_base + j[:, None] * sv_n, mask=_mask(j < S, dv_ok, DV == BLOCK_DV),
+                        other=0.0)
+            p = _power(u, R_KIND, r)  # a dead tile adds zeros (no branch: prefetched loads)
+            total += tl.sum(p, axis=1)
+            acc += _dot(p.to(v.dtype), v, IEEE)
+            if not _any_positive(u):
+                tl.store(live_row + kb, 0)
     inv = tl.where(total > 0, 1.0 / tl.maximum(total, 1e-38), 0.0)
     tl.store(OUT + bh * so_bh + rows[:, None] * so_n + dv[None, :], acc * inv[:, None],
              mask=_mask(row_ok, dv_ok, DV == BLOCK_DV))
@@ -344,8 +365,8 @@ def _row_stats(A, M, SHIFT, KAPPA, BIAS, stat, row_ok):
 
 
 @triton.jit
-def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSUMJ, LIVE,
-                  sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, sg_bh, sg_n, s_lo_b, s_live_bh,
+def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSUMJ, LIST,
+                  COUNT, sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, sg_bh, sg_n, s_lo_b, s_list_bh,
                   H, n, S, D: tl.constexpr, DV: tl.constexpr, r, pos0, n_kb,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, SOLVE: tl.constexpr, R_KIND: tl.constexpr,
@@ -369,30 +390,29 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
     stat = bh * n + rows
     a, m, shift, kappa, bias = _row_stats(A, M, SHIFT, KAPPA, BIAS, stat, row_ok)
     t = rows + pos0
-    start = (tl.min(tl.where(row_ok & (hi >= lo), lo, S), axis=0) // BLOCK_N) * BLOCK_N
-    end = tl.max(tl.where(row_ok, hi, -1), axis=0) + 1  # key blocks [start, end) seen
     lo_max = tl.max(lo, axis=0)  # (rows past n: lo 0, hi -1, so their block is all edge)
     hi_min = tl.min(hi, axis=0)
     k_base = K + bh * sk_bh + dd[None, :]
     v_base = V + bh * sv_bh + dv[None, :]
-    live_row = LIVE + bh * s_live_bh + pid_m * n_kb  # the forward's live tiles
+    # the forward's live key blocks of this row block, as a list (``_live_lists``)
+    list_row = LIST + bh * s_list_bh + pid_m * n_kb
+    n_list = tl.load(COUNT + bh * tl.num_programs(0) + pid_m)
 
     if SOLVE:  # c_i = sum_j h dp / sum_j h
         num = tl.zeros((BLOCK_M,), tl.float32)
         den = tl.zeros((BLOCK_M,), tl.float32)
-        for j0 in range(start, end, BLOCK_N):
-            if tl.load(live_row + j0 // BLOCK_N) != 0:
-                j = j0 + cols
-                cs = _scores(q, k_base, sk_n, j, d_ok, S, bias, t, IEEE, HAS_BIAS,
-                             D == BLOCK_D)
-                edge = _edge(j0, j0 + BLOCK_N - 1, lo_max, hi_min)
-                u = _u(cs, a, m, shift, lo, hi, j, edge, FOLD)
-                h = _power_m1(u, R_KIND, r)
-                v = tl.load(v_base + j[:, None] * sv_n, mask=_mask(j < S, dv_ok, DV == BLOCK_DV),
-                            other=0.0)
-                dp = _dot(g, tl.trans(v), IEEE)
-                num += tl.sum(h * dp, axis=1)
-                den += tl.sum(h, axis=1)
+        for ti in range(0, n_list):
+            j0 = tl.load(list_row + ti).to(tl.int32) * BLOCK_N
+            j = j0 + cols
+            cs = _scores(q, k_base, sk_n, j, d_ok, S, bias, t, IEEE, HAS_BIAS, D == BLOCK_D)
+            edge = _edge(j0, j0 + BLOCK_N - 1, lo_max, hi_min)
+            u = _u(cs, a, m, shift, lo, hi, j, edge, FOLD)
+            h = _power_m1(u, R_KIND, r)
+            v = tl.load(v_base + j[:, None] * sv_n, mask=_mask(j < S, dv_ok, DV == BLOCK_DV),
+                        other=0.0)
+            dp = _dot(g, tl.trans(v), IEEE)
+            num += tl.sum(h * dp, axis=1)
+            den += tl.sum(h, axis=1)
         cc = tl.where(den > 0, num / tl.maximum(den, 1e-38), 0.0)
         tl.store(C + stat, cc, mask=row_ok)
     else:
@@ -401,23 +421,23 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     rsum = tl.zeros((BLOCK_M,), tl.float32)
     rsumj = tl.zeros((BLOCK_M,), tl.float32)
-    for j0 in range(start, end, BLOCK_N):
-        if tl.load(live_row + j0 // BLOCK_N) != 0:
-            j = j0 + cols
-            k = tl.load(k_base + j[:, None] * sk_n, mask=_mask(j < S, d_ok, D == BLOCK_D),
-                        other=0.0)
-            cs = _biased(_dot(q, tl.trans(k), IEEE), bias, t, j, HAS_BIAS)
-            edge = _edge(j0, j0 + BLOCK_N - 1, lo_max, hi_min)
-            u = _u(cs, a, m, shift, lo, hi, j, edge, FOLD)
-            h = _power_m1(u, R_KIND, r)
-            v = tl.load(v_base + j[:, None] * sv_n, mask=_mask(j < S, dv_ok, DV == BLOCK_DV),
-                        other=0.0)
-            dp = _dot(g, tl.trans(v), IEEE)
-            dx = kappa[:, None] * h * (dp - cc[:, None])
-            rsum += tl.sum(dx, axis=1)
-            if HAS_BIAS:
-                rsumj += tl.sum(dx * j[None, :].to(tl.float32), axis=1)
-            dq += _dot(dx.to(k.dtype), k, IEEE)
+    for ti in range(0, n_list):
+        j0 = tl.load(list_row + ti).to(tl.int32) * BLOCK_N
+        j = j0 + cols
+        k = tl.load(k_base + j[:, None] * sk_n, mask=_mask(j < S, d_ok, D == BLOCK_D),
+                    other=0.0)
+        cs = _biased(_dot(q, tl.trans(k), IEEE), bias, t, j, HAS_BIAS)
+        edge = _edge(j0, j0 + BLOCK_N - 1, lo_max, hi_min)
+        u = _u(cs, a, m, shift, lo, hi, j, edge, FOLD)
+        h = _power_m1(u, R_KIND, r)
+        v = tl.load(v_base + j[:, None] * sv_n, mask=_mask(j < S, dv_ok, DV == BLOCK_DV),
+                    other=0.0)
+        dp = _dot(g, tl.trans(v), IEEE)
+        dx = kappa[:, None] * h * (dp - cc[:, None])
+        rsum += tl.sum(dx, axis=1)
+        if HAS_BIAS:
+            rsumj += tl.sum(dx * j[None, :].to(tl.float32), axis=1)
+        dq += _dot(dx.to(k.dtype), k, IEEE)
     tl.store(DQ + bh * n * BLOCK_D + rows[:, None] * BLOCK_D + dd[None, :], dq,
              mask=_mask(row_ok, d_ok, D == BLOCK_D))
     tl.store(RSUM + stat, rsum, mask=row_ok)
@@ -426,10 +446,9 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
 
 
 @triton.jit
-def _power_bwd_dkv(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, INV, QB_FIRST, QB_LAST, DK,
-                   DV_OUT, LIVE, sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, sg_bh, sg_n, s_lo_b,
-                   s_qb_b, s_live_bh,
-                   H, n, S, D: tl.constexpr, DV: tl.constexpr, r, n_kb, pos0,
+def _power_bwd_dkv(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, INV, DK, DV_OUT, LIST,
+                   COUNT, sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, sg_bh, sg_n, s_lo_b,
+                   s_list_bh, H, n, S, D: tl.constexpr, DV: tl.constexpr, r, n_qb, pos0,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, R_KIND: tl.constexpr, IEEE: tl.constexpr,
                    HAS_BIAS: tl.constexpr, FOLD: tl.constexpr):
@@ -446,33 +465,34 @@ def _power_bwd_dkv(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, INV, QB_FIRS
                 mask=_mask(j_ok, d_ok, D == BLOCK_D), other=0.0)
     v = tl.load(V + bh * sv_bh + j[:, None] * sv_n + dv[None, :],
                 mask=_mask(j_ok, dv_ok, DV == BLOCK_DV), other=0.0)
-    first = tl.load(QB_FIRST + batch * s_qb_b + pid_n)
-    last = tl.load(QB_LAST + batch * s_qb_b + pid_n)
+    # the query blocks that see this key block in a live tile of the forward (``_live_lists``)
+    list_col = LIST + bh * s_list_bh + pid_n * n_qb
+    n_list = tl.load(COUNT + bh * tl.num_programs(0) + pid_n)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dvv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
-    for qb in range(first, last + 1):
-        if tl.load(LIVE + bh * s_live_bh + qb * n_kb + pid_n) != 0:  # the forward's live tiles
-            rows = qb * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_ok = rows < n
-            lo, hi = _row_bounds(LO, HI, batch * s_lo_b + rows, row_ok, S)
-            q = tl.load(Q + bh * sq_bh + rows[:, None] * sq_n + dd[None, :],
-                        mask=_mask(row_ok, d_ok, D == BLOCK_D), other=0.0)
-            g = tl.load(G + bh * sg_bh + rows[:, None] * sg_n + dv[None, :],
-                        mask=_mask(row_ok, dv_ok, DV == BLOCK_DV), other=0.0)
-            stat = bh * n + rows
-            a, m, shift, kappa, bias = _row_stats(A, M, SHIFT, KAPPA, BIAS, stat, row_ok)
-            cc = tl.load(C + stat, mask=row_ok, other=0.0)
-            inv = tl.load(INV + stat, mask=row_ok, other=0.0)
-            cs = _biased(_dot(q, tl.trans(k), IEEE), bias, rows + pos0, j, HAS_BIAS)
-            # hi <= S - 1: columns past the keys are not seen (their tile is an edge)
-            edge = _edge(pid_n * BLOCK_N, pid_n * BLOCK_N + BLOCK_N - 1, tl.max(lo, axis=0),
-                         tl.min(hi, axis=0))
-            u = _u(cs, a, m, shift, lo, hi, j, edge, FOLD)
-            p = _power(u, R_KIND, r) * inv[:, None]
-            dvv += _dot(tl.trans(p).to(g.dtype), g, IEEE)
-            dp = _dot(g, tl.trans(v), IEEE)
-            dx = (a * kappa)[:, None] * _power_m1(u, R_KIND, r) * (dp - cc[:, None])
-            dk += _dot(tl.trans(dx).to(q.dtype), q, IEEE)
+    for ti in range(0, n_list):
+        qb = tl.load(list_col + ti).to(tl.int32)
+        rows = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n
+        lo, hi = _row_bounds(LO, HI, batch * s_lo_b + rows, row_ok, S)
+        q = tl.load(Q + bh * sq_bh + rows[:, None] * sq_n + dd[None, :],
+                    mask=_mask(row_ok, d_ok, D == BLOCK_D), other=0.0)
+        g = tl.load(G + bh * sg_bh + rows[:, None] * sg_n + dv[None, :],
+                    mask=_mask(row_ok, dv_ok, DV == BLOCK_DV), other=0.0)
+        stat = bh * n + rows
+        a, m, shift, kappa, bias = _row_stats(A, M, SHIFT, KAPPA, BIAS, stat, row_ok)
+        cc = tl.load(C + stat, mask=row_ok, other=0.0)
+        inv = tl.load(INV + stat, mask=row_ok, other=0.0)
+        cs = _biased(_dot(q, tl.trans(k), IEEE), bias, rows + pos0, j, HAS_BIAS)
+        # hi <= S - 1: columns past the keys are not seen (their tile is an edge)
+        edge = _edge(pid_n * BLOCK_N, pid_n * BLOCK_N + BLOCK_N - 1, tl.max(lo, axis=0),
+                     tl.min(hi, axis=0))
+        u = _u(cs, a, m, shift, lo, hi, j, edge, FOLD)
+        p = _power(u, R_KIND, r) * inv[:, None]
+        dvv += _dot(tl.trans(p).to(g.dtype), g, IEEE)
+        dp = _dot(g, tl.trans(v), IEEE)
+        dx = (a * kappa)[:, None] * _power_m1(u, R_KIND, r) * (dp - cc[:, None])
+        dk += _dot(tl.trans(dx).to(q.dtype), q, IEEE)
     tl.store(DK + bh * S * BLOCK_D + j[:, None] * BLOCK_D + dd[None, :], dk,
              mask=_mask(j_ok, d_ok, D == BLOCK_D))
     tl.store(DV_OUT + bh * S * BLOCK_DV + j[:, None] * BLOCK_DV + dv[None, :], dvv,
