@@ -415,7 +415,7 @@ def table(rows: list[dict[str, Any]], title: str) -> str:
     """The rows as a Markdown table (one row per kernel), FlashAttention-2's first."""
     head = ["kernel", "QK^T sweeps fwd",
             "Newton passes (mean / max) / tiles read / output in the last",
-            "live 64x64 (16x16)",
+            "live tiles (16x16)",
             "kNN network (before) / insertion (steps) / cumsum / tie tiles / tied rows",
             "products fwd / bwd",
             "tile visits fwd / bwd"]
@@ -442,16 +442,18 @@ def table(rows: list[dict[str, Any]], title: str) -> str:
 
 
 def measure(keys: torch.Tensor, beta: torch.Tensor, kernels: list[str], k_top: int,
-            clustered: torch.Tensor | None = None,
-            tol: float = NEWTON_TOL) -> list[dict[str, Any]]:
-    """Every asked kernel's counts on keys (epanechnikov_fixed also on ``clustered``)."""
+            clustered: torch.Tensor | None = None, tol: float = NEWTON_TOL,
+            power_tiles: tuple[int, int] = (64, 64)) -> list[dict[str, Any]]:
+    """Every asked kernel's counts on keys (epanechnikov_fixed also on ``clustered``), the
+    power kernels' at ``power_tiles`` (rows, keys; sm_90 launches 128 x 64)."""
+    bm, bn = power_tiles
     rows = []
     T, hs = keys.shape[2], keys.shape[3]
     for name in kernels:
         if name in POWER:
-            rows.append(power_counts(name, keys, beta, tol=tol))
+            rows.append(power_counts(name, keys, beta, bm, bn, tol=tol))
             if name == "epanechnikov_fixed" and clustered is not None:
-                row = power_counts(name, clustered, beta, tol=tol)
+                row = power_counts(name, clustered, beta, bm, bn, tol=tol)
                 row["kernel"] = "epanechnikov_fixed (clustered keys)"
                 rows.append(row)
         elif name in KNN:
@@ -470,6 +472,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--head-size", type=int, default=64)
     p.add_argument("--kernels", nargs="+", default=[*POWER, *KNN, "fska"])
     p.add_argument("--k-top", type=int, default=16)
+    p.add_argument("--power-tiles", type=int, nargs=2, default=[64, 64], metavar=("ROWS", "KEYS"),
+                   help="the power kernels' tile (default 64 64; sm_90 launches 128 64)")
     p.add_argument("--model", type=Path, help="a saved model: also count on its keys")
     p.add_argument("--tokens", type=Path, help="with --model: a .npy of token ids")
     p.add_argument("--model-length", type=int, default=1024)
@@ -483,14 +487,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         keys = check_keys(T, args.heads, args.head_size)
         clustered = clustered_keys(T, args.heads, args.head_size)
         beta = torch.full((args.heads,), BETA)
-        rows = measure(keys, beta, args.kernels, args.k_top, clustered, tol)
+        rows = measure(keys, beta, args.kernels, args.k_top, clustered, tol,
+                       tuple(args.power_tiles))
         title = (f"gpu_check's inputs: T {T}, {args.heads} heads of {args.head_size}, beta "
-                 f"{BETA}, {args.dtype}")
+                 f"{BETA}, {args.dtype}, power tiles {args.power_tiles[0]} x "
+                 f"{args.power_tiles[1]}")
         print(table(rows, title) + "\n", flush=True)
         results += [dict(r, T=T, source="check", dtype=args.dtype) for r in rows]
     if args.model is not None:
         keys, beta, source = model_keys(args.model, args.tokens, args.model_length)
-        rows = measure(keys, beta, args.kernels, args.k_top, tol=tol)
+        rows = measure(keys, beta, args.kernels, args.k_top, tol=tol,
+                       power_tiles=tuple(args.power_tiles))
         print(table(rows, f"{source}: {keys.shape[1]} layer-heads of {keys.shape[3]}, "
                           f"beta {beta.min():.2f}-{beta.max():.2f}, {args.dtype}") + "\n",
               flush=True)
