@@ -252,7 +252,7 @@ for dtype, k_top, uniform, bounds, products, names in json.loads(sys.argv[2]):
         if fn.__name__ in names:
             kw = kw | {key: value for key, value in cuda.items() if key in kw}
             r = compile_launch(fn, args, kw | {"num_warps": 4}, 90)
-            out.append([fn.__name__, r["ok"], r["shared"], r["hinted"]])
+            out.append([fn.__name__, r["ok"], r["shared"], r["hinted"], r["unpipelined"]])
 print(json.dumps(out))
 """
 
@@ -260,7 +260,8 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_kernels_compile_for_sm90() -> None:
     """The compiled path (tl.topk / tl.bitonic_merge, native bf16 products) builds down to
-    cubin for sm_90 within the shared memory of an H100, in a child process without the
+    cubin for sm_90 within the shared memory of an H100, every loop over tiles with its loads
+    prefetched (software-pipelined), in a child process without the
     interpreter (Triton decides at import whether its library is interpreted): each kernel
     from a recorded launch of the op at head size 64, with its CUDA settings and Triton's own
     specialization (divisibility hints; tests/test_fused_compile.py)."""
@@ -272,7 +273,7 @@ def test_kernels_compile_for_sm90() -> None:
 
     cases = [  # dtype, k, uniform, intervals, products, kernels compiled
         ("float32", 16, False, False, "tf32", ["_knn_fwd", "_knn_bwd_dq"]),
-        ("bfloat16", 4, True, True, "native", ["_knn_fwd"]),
+        ("bfloat16", 4, True, True, "native", ["_knn_fwd", "_knn_bwd_dkdv"]),
         ("bfloat16", 16, False, False, "native", ["_knn_bwd_dkdv"]),
     ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -282,6 +283,7 @@ def test_kernels_compile_for_sm90() -> None:
                           timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(compiled) == 4, compiled
-    for name, has_entry, shared, hinted in compiled:
+    assert len(compiled) == 5, compiled
+    for name, has_entry, shared, hinted, serial in compiled:
         assert has_entry and shared <= 232448 and hinted > 0, (name, shared, hinted)
+        assert not serial, (name, serial)  # every tile loop prefetches its loads

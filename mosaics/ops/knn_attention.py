@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .power_attention import block_sees
 from .triton_backend import cdiv, kernel_source, pinned_tiles, pow2_at_least, triton_module
 
 _KERNELS = kernel_source(__file__, "knn_attention")
@@ -167,9 +168,16 @@ class _KNNAttention(torch.autograd.Function):
         if n == 0 or S == 0 or B * H == 0:
             return dq, torch.zeros_like(k), torch.zeros_like(v), dbeta, *(None,) * 5
         common = (n, S, H, hs, hv, offset, lo_stride)
+        first = last = lo32  # with intervals: the query blocks that see each key block
+        if bounds:
+            sees = block_sees(lo32, hi32, S, cfg["BLOCK_M"], cfg["BLOCK_N"])
+            idx = torch.arange(sees.shape[1], device=q.device).view(1, -1, 1)
+            first = torch.where(sees, idx, sees.shape[1]).amin(1).to(torch.int32).contiguous()
+            last = torch.where(sees, idx, -1).amax(1).to(torch.int32).contiguous()
         with _on_device(q):
             mod._knn_bwd_dkdv[(cdiv(S, cfg["BLOCK_N"]), B * H)](
-                q, k, v, b32, lo32, hi32, stats, jt, g, delta, dk, dv, *common,
+                q, k, v, b32, lo32, hi32, stats, jt, g, delta, dk, dv, first, last, *common,
+                first.shape[-1] if bounds and first.shape[0] > 1 else 0,
                 UNIFORM=uniform, HAS_BOUNDS=bounds, **pads, **cfg)
             if not uniform:
                 drow = torch.empty(B * H, n, dtype=torch.float32, device=q.device)

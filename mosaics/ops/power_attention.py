@@ -114,7 +114,7 @@ def _row_bounds(lo: Tensor, hi: Tensor, S: int) -> tuple[Tensor, Tensor]:
             hi.clamp(-1, S).to(torch.int32).contiguous())
 
 
-def _sees(lo: Tensor, hi: Tensor, S: int, block_m: int, block_n: int) -> Tensor:
+def block_sees(lo: Tensor, hi: Tensor, S: int, block_m: int, block_n: int) -> Tensor:
     """(B or 1, query blocks, key blocks): whether some row of the query block may see some
     key of the key block (the union of the rows' visible columns; the forward's tiles)."""
     nb_q = -(-lo.shape[1] // block_m)
@@ -133,9 +133,10 @@ def _sees(lo: Tensor, hi: Tensor, S: int, block_m: int, block_n: int) -> Tensor:
 
 def _live_lists(live: Tensor, sees: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The forward's live tiles (``live``, (B H, query blocks, key blocks), inside ``sees``,
-    (B or 1, ...)) as lists the backward kernels walk: per query block its key blocks, per key
-    block its query blocks, each ascending and padded, with their lengths. A loop over a list
-    has its loads prefetched by the compiler; a branch on a flag around them does not."""
+    (B or 1, ...), :func:`block_sees`) as lists the backward kernels walk: per query block its
+    key blocks, per key block its query blocks, each ascending and padded, with their
+    lengths. A loop over a list has its loads prefetched by the compiler; a branch on a flag
+    around them does not."""
     BH, nb_q, nb_k = live.shape
     on = (live.view(sees.shape[0], -1, nb_q, nb_k) != 0) & sees.unsqueeze(1)
     on = on.reshape(BH, nb_q, nb_k).to(torch.int8)
@@ -220,7 +221,7 @@ class _PowerAttention(torch.autograd.Function):
                       "R_KIND": _r_kind(r), "IEEE": _ieee(dt, qf.device), "HAS_BIAS": has_bias,
                       "FOLD": _fold(dt), "num_warps": warps}
             row_list, row_count, col_list, col_count = _live_lists(
-                live, _sees(lo_i, hi_i, S, bm, bn))
+                live, block_sees(lo_i, hi_i, S, bm, bn))
             mod._power_bwd_dq[(cdiv(n, bm), BH)](
                 qf, kf, vf, g, af, bf, lo_i, hi_i, m, shift, kappa, c, dq, rsum, rsumj, row_list,
                 row_count, *common, row_list.stride(0), H, n, S, D, DV, float(r), pos0,

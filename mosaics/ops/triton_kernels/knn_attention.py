@@ -285,8 +285,8 @@ def _row_stats(STATS, JT, DELTA, bh, rows, n, UNIFORM: tl.constexpr):
 
 
 @triton.jit
-def _knn_bwd_dkdv(Q, K, V, BETA, LO, HI, STATS, JT, DO, DELTA, DK, DV,
-                  n, S, H, HS, HV, offset, lo_stride,
+def _knn_bwd_dkdv(Q, K, V, BETA, LO, HI, STATS, JT, DO, DELTA, DK, DV, QB_FIRST, QB_LAST,
+                  n, S, H, HS, HV, offset, lo_stride, qb_stride,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HS_PAD: tl.constexpr, HV_PAD: tl.constexpr, UNIFORM: tl.constexpr,
                   HAS_BOUNDS: tl.constexpr, PRECISION: tl.constexpr,
@@ -308,27 +308,31 @@ def _knn_bwd_dkdv(Q, K, V, BETA, LO, HI, STATS, JT, DO, DELTA, DK, DV,
                  mask=(cols[:, None] < S) & (dv[None, :] < HV), other=0.0)
     acc_k = tl.full([BLOCK_N, HS_PAD], 0, tl.float32)
     acc_v = tl.full([BLOCK_N, HV_PAD], 0, tl.float32)
+    # the query blocks that may see this key block: from the caller with intervals, else
+    # (the strict past) every block from the first row that sees column pid_n * BLOCK_N. No
+    # branch on whether a block sees it inside the loop: the compiler prefetches a loop's
+    # loads only outside branches (a block in the range that sees nothing adds zeros).
     if HAS_BOUNDS:
-        first = 0
-    else:  # the first row that sees column pid_n * BLOCK_N
-        first = (tl.maximum(pid_n * BLOCK_N - offset, 0) // BLOCK_M) * BLOCK_M
-    for m0 in range(first, n, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
+        first = tl.load(QB_FIRST + (bh // H) * qb_stride + pid_n)
+        last = tl.load(QB_LAST + (bh // H) * qb_stride + pid_n)
+    else:
+        first = tl.maximum(pid_n * BLOCK_N - offset, 0) // BLOCK_M
+        last = (n - 1) // BLOCK_M
+    for qb in range(first, last + 1):
+        rows = qb * BLOCK_M + tl.arange(0, BLOCK_M)
         lo, hi = _bounds(LO, HI, rows, n, S, offset, (bh // H) * lo_stride, HAS_BOUNDS)
-        seen = (tl.min(lo, 0) <= pid_n * BLOCK_N + BLOCK_N - 1) & (tl.max(hi, 0) >= pid_n * BLOCK_N)
-        if seen:
-            q = tl.load(Q + q_off + rows[:, None] * HS + dk[None, :],
-                        mask=(rows[:, None] < n) & (dk[None, :] < HS), other=0.0)
-            do = tl.load(DO + o_off + rows[:, None] * HV + dv[None, :],
-                         mask=(rows[:, None] < n) & (dv[None, :] < HV), other=0.0)
-            m, l, tau, jt, delta = _row_stats(STATS, JT, DELTA, bh, rows, n, UNIFORM)
-            s = _dot(q, tl.trans(kt), PRECISION)
-            sel, p = _weights(s, cols, lo, hi, m, l, tau, jt, beta, UNIFORM)
-            acc_v += _dot(tl.trans(p.to(do.dtype)), do, PRODUCTS)
-            if not UNIFORM:
-                dp = _dot(do, tl.trans(vt), PRODUCTS)
-                ds = p * (dp - delta[:, None]) * beta
-                acc_k += _dot(tl.trans(ds.to(q.dtype)), q, PRODUCTS)
+        q = tl.load(Q + q_off + rows[:, None] * HS + dk[None, :],
+                    mask=(rows[:, None] < n) & (dk[None, :] < HS), other=0.0)
+        do = tl.load(DO + o_off + rows[:, None] * HV + dv[None, :],
+                     mask=(rows[:, None] < n) & (dv[None, :] < HV), other=0.0)
+        m, l, tau, jt, delta = _row_stats(STATS, JT, DELTA, bh, rows, n, UNIFORM)
+        s = _dot(q, tl.trans(kt), PRECISION)
+        sel, p = _weights(s, cols, lo, hi, m, l, tau, jt, beta, UNIFORM)
+        acc_v += _dot(tl.trans(p.to(do.dtype)), do, PRODUCTS)
+        if not UNIFORM:
+            dp = _dot(do, tl.trans(vt), PRODUCTS)
+            ds = p * (dp - delta[:, None]) * beta
+            acc_k += _dot(tl.trans(ds.to(q.dtype)), q, PRODUCTS)
     tl.store(DV + v_off + cols[:, None] * HV + dv[None, :], acc_v.to(DV.dtype.element_ty),
              mask=(cols[:, None] < S) & (dv[None, :] < HV))
     if not UNIFORM:
