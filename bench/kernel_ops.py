@@ -13,7 +13,8 @@ score). Tile products, loads, broadcasts and layout changes are not counted; ops
     python bench/kernel_ops.py --json out.json
 
 Loops are named by what they carry: ``max`` (the row max and the subset sums), ``newton``
-(one Newton pass), ``output`` (the output pass), ``c`` (the backward's c_i pass), ``dq``,
+(one Newton pass), ``newton + output`` (the speculative last one), ``output`` (the output
+pass), ``c`` (the backward's c_i pass), ``dq``,
 ``dk`` (the dK/dV loop over query blocks).
 """
 
@@ -42,7 +43,10 @@ LOOP_NAMES = {"m": "max", "f2": "newton", "total": "output", "num": "c", "dq": "
 
 
 def _loop_name(carried: list[str]) -> str:
-    """A loop's name from the values it carries (``LOOP_NAMES``)."""
+    """A loop's name from the values it carries (``LOOP_NAMES``; a Newton pass that also
+    makes the output carries its accumulator)."""
+    if "f2" in carried and "acc" in carried:
+        return "newton + output"
     for name in carried:
         if name in LOOP_NAMES:
             return LOOP_NAMES[name]

@@ -179,6 +179,42 @@ def _u(c, a, m, shift, lo, hi, j, edge, FOLD: tl.constexpr):
 
 
 @triton.jit
+def _newton_pass(q, k_base, sk_n, v_base, sv_n, src, dst, n_list, live_row, d_ok, dv_ok, S,
+                 bias, t, a, m, tau, lo, hi, lo_max, hi_min, r, cols, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, R_KIND: tl.constexpr,
+                 IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, FULL_D: tl.constexpr,
+                 FULL_DV: tl.constexpr, FOLD: tl.constexpr, SPEC: tl.constexpr):
+    """One Newton pass at tau over the live key blocks src[:n_list]: the row sums of
+    u^r and u^(r-1) (u = [x - tau]_+, accumulated elementwise, reduced once), with SPEC the
+    output's sum_j u^r v_j too; the blocks still live are written to dst (their count
+    returned), a dead one's flag cleared. No load or product sits in a branch, so the
+    compiler prefetches them; a tile dying in this pass adds zeros."""
+    f2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    s2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    kept = 0
+    for ti in range(0, n_list):
+        kb = tl.load(src + ti).to(tl.int32)
+        j = kb * BLOCK_N + cols
+        c = _scores(q, k_base, sk_n, j, d_ok, S, bias, t, IEEE, HAS_BIAS, FULL_D)
+        edge = _edge(kb * BLOCK_N, kb * BLOCK_N + BLOCK_N - 1, lo_max, hi_min)
+        d = _u(c, a, m, tau, lo, hi, j, edge, FOLD)
+        p = _power(d, R_KIND, r)
+        f2 += p
+        s2 += _power_m1(d, R_KIND, r)
+        if SPEC:
+            v = tl.load(v_base + j[:, None] * sv_n, mask=_mask(j < S, dv_ok, FULL_DV),
+                        other=0.0)
+            acc += _dot(p.to(v.dtype), v, IEEE)
+        alive = _any_positive(d)
+        tl.store(dst + kept, kb.to(dst.dtype.element_ty))  # kept only if alive
+        kept += alive.to(tl.int32)
+        if not alive:  # dead at this tau, so at every later one
+            tl.store(live_row + kb, 0)
+    return tl.sum(f2, axis=1), tl.sum(s2, axis=1), acc, kept
+
+
+@triton.jit
 def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG, LIVE, LIST, ITERS,
                sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, so_bh, so_n, s_lo_b, s_live_bh, s_list_bh,
                H, n, S, D: tl.constexpr, DV: tl.constexpr, r, shift_const, anchor_const, tol,
@@ -280,37 +316,20 @@ def _power_fwd(Q, K, V, A, BIAS, LO, HI, OUT, M, SHIFT, NSUM, ARG, LIVE, LIST, I
             # after a step below ``pred`` this pass is likely the last: it also accumulates
             # the output at its tau, kept if no row then moves by more than tol
             spec = last < pred
-            f2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            s2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
             src = list_a + cur * n_kb
             dst = list_a + (1 - cur) * n_kb
-            kept = 0
-            for ti in range(0, n_list):
-                kb = tl.load(src + ti).to(tl.int32)
-                j = kb * BLOCK_N + cols
-                c = _scores(q, k_base, sk_n, j, d_ok, S, bias, t, IEEE, HAS_BIAS,
-                            D == BLOCK_D)
-                edge = _edge(kb * BLOCK_N, kb * BLOCK_N + BLOCK_N - 1, lo_max, hi_min)
-                d = _u(c, a, m, tau, lo, hi, j, edge, FOLD)
-                alive = _any_positive(d)
-                tl.store(dst + kept, kb.to(LIST.dtype.element_ty))  # kept only if alive
-                kept += alive.to(tl.int32)
-                if alive:
-                    p = _power(d, R_KIND, r)
-                    f2 += p
-                    s2 += _power_m1(d, R_KIND, r)
-                    if spec:
-                        v = tl.load(v_base + j[:, None] * sv_n,
-                                    mask=_mask(j < S, dv_ok, DV == BLOCK_DV), other=0.0)
-                        acc += _dot(p.to(v.dtype), v, IEEE)
-                else:  # dead at this tau, so at every later one
-                    tl.store(live_row + kb, 0)
-            n_list = kept
+            if spec:
+                f, s, acc, n_list = _newton_pass(
+                    q, k_base, sk_n, v_base, sv_n, src, dst, n_list, live_row, d_ok, dv_ok, S,
+                    bias, t, a, m, tau, lo, hi, lo_max, hi_min, r, cols, BLOCK_M, BLOCK_N,
+                    BLOCK_DV, R_KIND, IEEE, HAS_BIAS, D == BLOCK_D, DV == BLOCK_DV, FOLD, True)
+            else:
+                f, s, acc, n_list = _newton_pass(
+                    q, k_base, sk_n, v_base, sv_n, src, dst, n_list, live_row, d_ok, dv_ok, S,
+                    bias, t, a, m, tau, lo, hi, lo_max, hi_min, r, cols, BLOCK_M, BLOCK_N,
+                    BLOCK_DV, R_KIND, IEEE, HAS_BIAS, D == BLOCK_D, DV == BLOCK_DV, FOLD, False)
             cur = 1 - cur
-            tl.debug_barrier()  # the next pass reads what this one wrote
-            f = tl.sum(f2, axis=1)
-            s = tl.sum(s2, axis=1)
+            tl.debug_barrier()  # the next pass reads the list this one wrote
             # g(tau) = f^(1/r) - 1; Newton: tau += (f - f^(1 - 1/r)) / s
             f_low = tl.where(f > 0, tl.exp((1.0 - 1.0 / r) * tl.log(tl.maximum(f, 1e-38))), 0.0)
             step = tl.where(s > 0, (f - f_low) / tl.maximum(s, 1e-38), 0.0)
