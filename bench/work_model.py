@@ -94,7 +94,7 @@ def _tile_any(u: torch.Tensor, r0: int, bm: int, bn: int) -> torch.Tensor:
     return pos.view((m + pr) // bm, bm, (w + pc) // bn, bn).any(3).any(1)
 
 
-START_DELTAS = (1.0, 0.5, 0.25)  # the forward's subset bounds (power_attention.py)
+START_DELTAS = (0.5, 0.25)  # the forward's subset bounds (power_attention.py)
 START_MARGIN = 1e-3
 
 
