@@ -74,10 +74,9 @@ def _blocks(device: torch.device, d: int, dv: int, dtype: torch.dtype,
       32). Each warp then holds whole rows of the score tile (wgmma layout warpsPerCTA
       [8, 1]), so a row's sums and maxima need no shared memory: 41 / 22 / 17 barriers in
       the forward / dq / dkv against 64 / 33 / 21 at 64 x 64 (whose [4, 2] layout splits each
-      row over two warpgroups), no stack for bf16
-      (235 / 211 / 231 registers, biweight with ALiBi, with prefetched loads), and less for
-      fp32 (72 / 0 / 304 bytes). The Newton passes grow by 0-3% (a block stops with its
-      slowest row).
+      row over two warpgroups), no stack for bf16 (235 / 211 / 231 registers, biweight with
+      ALiBi, with prefetched loads), and less for fp32 (72 / 0 / 304 bytes). The Newton
+      passes grow by 0-3% (a block stops with its slowest row).
     - sm_80: 64 x 64 with 8 warps for bf16/fp16 up to head size 64, else 64 x 32 (the
       128-row tiles split rows there too, and spill more at head size 128)."""
     bd = pow2_at_least(d, 16)
