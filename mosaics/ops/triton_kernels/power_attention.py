@@ -379,6 +379,22 @@ def _row_stats(A, M, SHIFT, KAPPA, BIAS, stat, row_ok):
 
 
 @triton.jit
+def _dq_tile(list_row, ti, q, g, k_base, sk_n, v_base, sv_n, cols, d_ok, dv_ok, S, bias, t, a,
+             m, shift, lo, hi, lo_max, hi_min, r, BLOCK_N: tl.constexpr, R_KIND: tl.constexpr,
+             IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, FULL_D: tl.constexpr,
+             FULL_DV: tl.constexpr, FOLD: tl.constexpr):
+    """The ti-th live key tile of a query block's backward (both dq loops): its columns j,
+    keys k, h = u^(r-1) and dp = g v^T."""
+    j0 = tl.load(list_row + ti).to(tl.int32) * BLOCK_N
+    j = j0 + cols
+    k = tl.load(k_base + j[:, None] * sk_n, mask=_mask(j < S, d_ok, FULL_D), other=0.0)
+    cs = _biased(_dot(q, tl.trans(k), IEEE), bias, t, j, HAS_BIAS)
+    u = _u(cs, a, m, shift, lo, hi, j, _edge(j0, j0 + BLOCK_N - 1, lo_max, hi_min), FOLD)
+    v = tl.load(v_base + j[:, None] * sv_n, mask=_mask(j < S, dv_ok, FULL_DV), other=0.0)
+    return j, k, _power_m1(u, R_KIND, r), _dot(g, tl.trans(v), IEEE)
+
+
+@triton.jit
 def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSUMJ, LIST,
                   COUNT, sq_bh, sq_n, sk_bh, sk_n, sv_bh, sv_n, sg_bh, sg_n, s_lo_b, s_list_bh,
                   H, n, S, D: tl.constexpr, DV: tl.constexpr, r, pos0, n_kb,
@@ -416,15 +432,10 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
         num = tl.zeros((BLOCK_M,), tl.float32)
         den = tl.zeros((BLOCK_M,), tl.float32)
         for ti in range(0, n_list):
-            j0 = tl.load(list_row + ti).to(tl.int32) * BLOCK_N
-            j = j0 + cols
-            cs = _scores(q, k_base, sk_n, j, d_ok, S, bias, t, IEEE, HAS_BIAS, D == BLOCK_D)
-            edge = _edge(j0, j0 + BLOCK_N - 1, lo_max, hi_min)
-            u = _u(cs, a, m, shift, lo, hi, j, edge, FOLD)
-            h = _power_m1(u, R_KIND, r)
-            v = tl.load(v_base + j[:, None] * sv_n, mask=_mask(j < S, dv_ok, DV == BLOCK_DV),
-                        other=0.0)
-            dp = _dot(g, tl.trans(v), IEEE)
+            j, _, h, dp = _dq_tile(
+                list_row, ti, q, g, k_base, sk_n, v_base, sv_n, cols, d_ok, dv_ok, S, bias, t,
+                a, m, shift, lo, hi, lo_max, hi_min, r, BLOCK_N, R_KIND, IEEE, HAS_BIAS,
+                D == BLOCK_D, DV == BLOCK_DV, FOLD)
             num += tl.sum(h * dp, axis=1)
             den += tl.sum(h, axis=1)
         cc = tl.where(den > 0, num / tl.maximum(den, 1e-38), 0.0)
@@ -436,17 +447,10 @@ def _power_bwd_dq(Q, K, V, G, A, BIAS, LO, HI, M, SHIFT, KAPPA, C, DQ, RSUM, RSU
     rsum = tl.zeros((BLOCK_M,), tl.float32)
     rsumj = tl.zeros((BLOCK_M,), tl.float32)
     for ti in range(0, n_list):
-        j0 = tl.load(list_row + ti).to(tl.int32) * BLOCK_N
-        j = j0 + cols
-        k = tl.load(k_base + j[:, None] * sk_n, mask=_mask(j < S, d_ok, D == BLOCK_D),
-                    other=0.0)
-        cs = _biased(_dot(q, tl.trans(k), IEEE), bias, t, j, HAS_BIAS)
-        edge = _edge(j0, j0 + BLOCK_N - 1, lo_max, hi_min)
-        u = _u(cs, a, m, shift, lo, hi, j, edge, FOLD)
-        h = _power_m1(u, R_KIND, r)
-        v = tl.load(v_base + j[:, None] * sv_n, mask=_mask(j < S, dv_ok, DV == BLOCK_DV),
-                    other=0.0)
-        dp = _dot(g, tl.trans(v), IEEE)
+        j, k, h, dp = _dq_tile(
+            list_row, ti, q, g, k_base, sk_n, v_base, sv_n, cols, d_ok, dv_ok, S, bias, t, a,
+            m, shift, lo, hi, lo_max, hi_min, r, BLOCK_N, R_KIND, IEEE, HAS_BIAS, D == BLOCK_D,
+            DV == BLOCK_DV, FOLD)
         dx = kappa[:, None] * h * (dp - cc[:, None])
         rsum += tl.sum(dx, axis=1)
         if HAS_BIAS:
